@@ -1,0 +1,181 @@
+"""The single declaration of a fix: everything else (runtime, CLI, docs, tests) reads it."""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_fix_core.patching import PatchSet
+
+
+class ProcessKind(str, enum.Enum):
+    """The vLLM process that runs a target (general plugins load in all three)."""
+
+    API_SERVER = "api-server"
+    ENGINE_CORE = "engine-core"
+    WORKER = "worker"
+
+
+class UpstreamStatus(str, enum.Enum):
+    """DEP-3 flavoured lifecycle of the upstream change."""
+
+    PENDING = "pending"  # submitted upstream, not merged
+    CLOSED = "closed"  # upstream attempt closed without merging; we carry it
+    MERGED = "merged"  # merged upstream; `merged_in` says from which release
+    NOT_SUBMITTED = "not-submitted"
+
+
+@dataclass(frozen=True)
+class Upstream:
+    pr: int
+    status: UpstreamStatus
+    merged_in: str | None = None
+    note: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"https://github.com/vllm-project/vllm/pull/{self.pr}"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One vLLM object the fix changes: `module` + dotted `qualname` inside it."""
+
+    module: str
+    qualname: str
+    process: ProcessKind
+
+    @property
+    def path(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+    def resolve(self) -> tuple[Any, str, Any]:
+        """Import the module and return (owner, attribute name, raw attribute).
+
+        The raw attribute is looked up statically through the MRO, so a
+        classmethod or staticmethod comes back as its descriptor.
+        """
+        owner: Any = importlib.import_module(self.module)
+        *parents, attr = self.qualname.split(".")
+        for name in parents:
+            owner = getattr(owner, name)
+        return owner, attr, static_lookup(owner, attr)
+
+
+_MISSING = object()
+
+
+def static_lookup(owner: Any, attr: str) -> Any:
+    """`owner.attr` without running descriptors; AttributeError when absent."""
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if attr in klass.__dict__:
+                return klass.__dict__[attr]
+        raise AttributeError(f"{owner.__qualname__} has no attribute {attr!r}")
+    value = getattr(owner, "__dict__", {}).get(attr, _MISSING)
+    if value is _MISSING:
+        raise AttributeError(f"{owner!r} has no attribute {attr!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Check:
+    """One observable symptom the probe looked for."""
+
+    name: str
+    affected: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    checks: tuple[Check, ...]
+
+    @property
+    def affected(self) -> bool:
+        return any(c.affected for c in self.checks)
+
+    def names(self, affected: bool) -> list[str]:
+        return [c.name for c in self.checks if c.affected is affected]
+
+    def summary(self) -> str:
+        return ", ".join(
+            f"{c.name}={'affected' if c.affected else 'ok'}" for c in self.checks
+        )
+
+
+class UnknownShape(Exception):
+    """Raised by a fix's `recognize` when the target is not a shape it knows."""
+
+
+def _load(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A fix, declared once.
+
+    `probe`, `recognize` and `apply` are "module:function" references so that
+    loading the declaration (at vLLM plugin load) imports nothing heavy:
+
+    * probe() -> ProbeReport: CPU-only behavioural check against the real,
+      currently installed target; `affected` means "this vLLM has the bug".
+    * recognize() -> str: the name of the known target shape, or raises
+      UnknownShape (rung 4).
+    * apply(patch: PatchSet, shape: str) -> None: install the fix through
+      `patch` (which records everything so revert is exact).
+    """
+
+    id: str
+    title: str
+    distribution: str
+    upstream: tuple[Upstream, ...]
+    why: str
+    how: str
+    retire_when: str
+    targets: tuple[Target, ...]
+    probe: str
+    recognize: str
+    apply: str
+    # Module whose import triggers the decision in a process (defaults to the
+    # first target's module). It must import every other target module itself.
+    trigger: str = ""
+    spec: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def trigger_module(self) -> str:
+        return self.trigger or self.targets[0].module
+
+    @property
+    def entry_point(self) -> str:
+        return "vllm_fix_" + self.id.replace("-", "_")
+
+    @property
+    def processes(self) -> tuple[ProcessKind, ...]:
+        seen: dict[ProcessKind, None] = {}
+        for t in self.targets:
+            seen.setdefault(t.process)
+        return tuple(seen)
+
+    def run_probe(self) -> ProbeReport:
+        report = _load(self.probe)()
+        if not isinstance(report, ProbeReport):
+            raise TypeError(f"probe of {self.id} returned {type(report).__name__}")
+        return report
+
+    def run_recognize(self) -> str:
+        return str(_load(self.recognize)())
+
+    def run_apply(self, patch: PatchSet, shape: str) -> None:
+        fn: Callable[[PatchSet, str], None] = _load(self.apply)
+        fn(patch, shape)

@@ -1,0 +1,169 @@
+"""The decision ladder: per fix, per process, one decision and one log line."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+
+from vllm_fix_core.declaration import Fix, ProbeReport, UnknownShape
+from vllm_fix_core.hooks import locate
+from vllm_fix_core.log import get_logger
+from vllm_fix_core.patching import PatchSet
+from vllm_fix_core.settings import Settings
+
+
+class Rung(str, enum.Enum):
+    DISABLED = "disabled"  # 1
+    NOT_APPLICABLE = "not-applicable"  # 2
+    UPSTREAM_FIXED = "upstream-fixed"  # 3
+    REFUSED = "refused"  # 4
+    FAILED = "failed"  # 5 (applied, probe still saw the bug, reverted)
+    APPLIED = "applied"  # 5 (applied and verified)
+    PENDING = "pending"  # waiting for vLLM to import the trigger module
+    EVALUATED = "evaluated"  # dry run (status): affected, would apply
+
+
+_LEVEL = {
+    Rung.DISABLED: logging.DEBUG,
+    Rung.NOT_APPLICABLE: logging.DEBUG,
+    Rung.UPSTREAM_FIXED: logging.INFO,
+    Rung.REFUSED: logging.WARNING,
+    Rung.FAILED: logging.ERROR,
+    Rung.APPLIED: logging.INFO,
+    Rung.PENDING: logging.DEBUG,
+    Rung.EVALUATED: logging.DEBUG,
+}
+
+
+class FixRefused(RuntimeError):
+    """Strict mode: a fix could not be applied to this vLLM (rung 4)."""
+
+
+class FixFailed(RuntimeError):
+    """Strict mode: a fix was applied but its probe still sees the bug (rung 5)."""
+
+
+@dataclass
+class Decision:
+    fix_id: str
+    rung: Rung
+    reason: str
+    before: ProbeReport | None = None
+    after: ProbeReport | None = None
+    shape: str | None = None
+    patch: PatchSet | None = field(default=None, repr=False)
+
+    @property
+    def message(self) -> str:
+        return f"vllm-fix {self.fix_id}: {self.rung.value}: {self.reason}"
+
+
+def _log(fix: Fix, decision: Decision) -> None:
+    get_logger(fix.id).log(_LEVEL[decision.rung], "%s", decision.message)
+
+
+def _raise_if_strict(settings: Settings, decision: Decision) -> None:
+    if not settings.strict:
+        return
+    if decision.rung is Rung.REFUSED:
+        raise FixRefused(decision.message)
+    if decision.rung is Rung.FAILED:
+        raise FixFailed(decision.message)
+
+
+def _describe_before(report: ProbeReport) -> str:
+    fixed = report.names(False)
+    text = "this vLLM has the bug (" + ", ".join(report.names(True)) + ")"
+    if fixed:
+        text += "; already fixed upstream: " + ", ".join(fixed)
+    return text
+
+
+def evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool = True) -> Decision:
+    """Run the ladder for `fix` (trigger module importable or imported).
+
+    Never raises except in strict mode (FixRefused / FixFailed)."""
+    decision = _evaluate(fix, settings, apply=apply, honour_disable=honour_disable)
+    if apply:
+        _log(fix, decision)
+        _raise_if_strict(settings, decision)
+    return decision
+
+
+def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool) -> Decision:
+    if honour_disable and settings.is_disabled(fix.id):
+        return Decision(fix.id, Rung.DISABLED, "disabled by VLLM_FIXES_DISABLE")
+    # Rung 2: the target module must exist and import in this vLLM.
+    modules = dict.fromkeys(t.module for t in fix.targets)
+    for module in modules:
+        if not locate(module):
+            return Decision(fix.id, Rung.NOT_APPLICABLE, f"{module} is not part of this vLLM")
+    try:
+        resolved = [t.resolve() for t in fix.targets]
+    except ImportError as exc:
+        return Decision(fix.id, Rung.NOT_APPLICABLE, f"target cannot be imported: {exc}")
+    except AttributeError as exc:
+        return Decision(fix.id, Rung.REFUSED, f"target not found in this vLLM: {exc}")
+    except Exception as exc:  # a target module that raises on import
+        return Decision(fix.id, Rung.NOT_APPLICABLE, f"target failed to import: {exc!r}")
+    del resolved
+    # Rung 3: does this vLLM have the bug?
+    try:
+        before = fix.run_probe()
+    except Exception as exc:
+        return Decision(fix.id, Rung.REFUSED, f"probe could not run on this vLLM: {exc!r}")
+    if not before.affected:
+        return Decision(
+            fix.id,
+            Rung.UPSTREAM_FIXED,
+            "this vLLM already behaves correctly (" + before.summary() + "); nothing patched",
+            before=before,
+        )
+    # Rung 4: only known shapes.
+    try:
+        shape = fix.run_recognize()
+    except UnknownShape as exc:
+        return Decision(fix.id, Rung.REFUSED, f"unknown target shape, not applied: {exc}", before=before)
+    except Exception as exc:
+        return Decision(fix.id, Rung.REFUSED, f"shape check failed, not applied: {exc!r}", before=before)
+    if not apply:
+        return Decision(fix.id, Rung.EVALUATED, _describe_before(before) + f"; shape {shape}", before=before, shape=shape)
+    # Rung 5: apply, verify, or revert.
+    patch = PatchSet(fix.id)
+    try:
+        fix.run_apply(patch, shape)
+    except Exception as exc:
+        _safe_revert(patch)
+        return Decision(fix.id, Rung.FAILED, f"apply raised {exc!r}; reverted", before=before, shape=shape)
+    try:
+        after = fix.run_probe()
+    except Exception as exc:
+        _safe_revert(patch)
+        return Decision(fix.id, Rung.FAILED, f"probe after apply raised {exc!r}; reverted", before=before, shape=shape)
+    if after.affected:
+        _safe_revert(patch)
+        return Decision(
+            fix.id,
+            Rung.FAILED,
+            "still affected after apply (" + after.summary() + "); reverted",
+            before=before,
+            after=after,
+            shape=shape,
+        )
+    return Decision(
+        fix.id,
+        Rung.APPLIED,
+        _describe_before(before) + f"; patched ({shape}) and verified",
+        before=before,
+        after=after,
+        shape=shape,
+        patch=patch,
+    )
+
+
+def _safe_revert(patch: PatchSet) -> None:
+    try:
+        patch.revert()
+    except Exception:  # pragma: no cover - reported by the caller's line
+        logging.getLogger("vllm.fixes").exception("revert of %s failed", patch.fix_id)

@@ -1,0 +1,92 @@
+"""Per-process runtime: what the vLLM plugin entry points call."""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+
+from vllm_fix_core.declaration import Fix
+from vllm_fix_core.hooks import locate, when_imported
+from vllm_fix_core.ladder import Decision, Rung, _log, evaluate
+from vllm_fix_core.settings import Settings
+
+_lock = threading.RLock()
+_decisions: dict[str, Decision] = {}
+
+
+def decisions() -> dict[str, Decision]:
+    """This process's decision per fix id (a copy)."""
+    with _lock:
+        return dict(_decisions)
+
+
+def _store(decision: Decision) -> Decision:
+    with _lock:
+        _decisions[decision.fix_id] = decision
+    return decision
+
+
+def install(fix: Fix, settings: Settings | None = None) -> Decision:
+    """The body of every fix's `vllm.general_plugins` entry point.
+
+    Decides now if the trigger module is already imported, otherwise when vLLM
+    imports it. Never raises into vLLM's plugin loader unless strict mode is on.
+    """
+    settings = settings or Settings.from_env()
+    with _lock:
+        current = _decisions.get(fix.id)
+        if current is not None and current.rung in (Rung.APPLIED, Rung.PENDING):
+            return current  # applying twice is a no-op
+    if settings.is_disabled(fix.id):
+        decision = Decision(fix.id, Rung.DISABLED, "disabled by VLLM_FIXES_DISABLE")
+        _log(fix, decision)
+        return _store(decision)
+    try:
+        present = locate(fix.trigger_module)
+    except Exception as exc:  # a broken sys.path entry must not reach vLLM
+        present = False
+        why = repr(exc)
+    else:
+        why = "not part of this vLLM"
+    if not present:
+        decision = Decision(fix.id, Rung.NOT_APPLICABLE, f"{fix.trigger_module} is {why}")
+        _log(fix, decision)
+        return _store(decision)
+
+    def on_loaded(_module: ModuleType) -> None:
+        _store(evaluate(fix, settings, apply=True))
+
+    def on_failed(exc: BaseException) -> None:
+        decision = Decision(
+            fix.id, Rung.NOT_APPLICABLE, f"{fix.trigger_module} failed to import: {exc!r}"
+        )
+        _log(fix, decision)
+        _store(decision)
+
+    _store(Decision(fix.id, Rung.PENDING, f"waiting for vLLM to import {fix.trigger_module}"))
+    when_imported(fix.trigger_module, on_loaded, on_failed)
+    return decisions()[fix.id]
+
+
+def apply(fix: Fix, settings: Settings | None = None) -> Decision:
+    """Import the targets and run the ladder now (tests, verify)."""
+    settings = settings or Settings.from_env()
+    with _lock:
+        current = _decisions.get(fix.id)
+        if current is not None and current.rung is Rung.APPLIED:
+            return current
+    return _store(evaluate(fix, settings, apply=True))
+
+
+def revert(fix: Fix | str) -> bool:
+    """Undo what this process applied for `fix`; True if something was reverted."""
+    fix_id = fix if isinstance(fix, str) else fix.id
+    with _lock:
+        decision = _decisions.pop(fix_id, None)
+    if decision is None or decision.patch is None:
+        return False
+    decision.patch.revert()
+    return True
+
+
+__all__ = ["apply", "decisions", "install", "revert"]

@@ -1,0 +1,49 @@
+"""The one declaration of this fix: runtime, tests, CLI and docs read it."""
+
+from vllm_fix_core.declaration import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+
+MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
+
+FIX = Fix(
+    id="read-eligibility",
+    title="MoRIIO READ remote-prefill eligibility",
+    distribution="vllm-fix-read-eligibility",
+    upstream=(
+        Upstream(
+            60638,
+            UpstreamStatus.PENDING,
+            note="plain/resumed/retried requests: fixed in vLLM 0.33.0; "
+            "malformed do_remote_prefill params: not covered upstream",
+        ),
+    ),
+    why=(
+        "A decode (kv_consumer) instance in MoRIIO READ mode tells the scheduler that N-1 "
+        "prompt tokens will be loaded from the prefill instance for requests that never asked "
+        "for a remote prefill (plain requests, preempted-and-resumed ones, load-failure "
+        "retries; vLLM 0.32.0), or whose do_remote_prefill params carry no usable "
+        "remote_block_ids / remote_engine_id (0.32.0 and 0.33.0). No READ is ever queued, so "
+        "the forward attends to KV blocks nothing wrote and, with prefix caching, publishes "
+        "them to later requests: silently wrong output, no error."
+    ),
+    how=(
+        "Wrap MoRIIOConnectorScheduler.get_num_new_matched_tokens: on the consumer in READ "
+        "mode, a request claims remote tokens only if do_remote_prefill is set and "
+        "remote_block_ids is a non-empty per-group list of block-id lists and remote_engine_id "
+        "a non-empty string. Otherwise it claims (0, False) and is recomputed locally; "
+        "malformed params log one warning naming the request and clear do_remote_prefill so "
+        "update_state_after_alloc queues nothing. WRITE mode and the producer side are "
+        "delegated untouched."
+    ),
+    retire_when=(
+        "vLLM's get_num_new_matched_tokens rejects both cases itself (the probe then reports "
+        "'fixed upstream' and nothing is patched); drop the package once every supported "
+        "vLLM release does."
+    ),
+    targets=(
+        Target(MODULE, "MoRIIOConnectorScheduler.get_num_new_matched_tokens", ProcessKind.ENGINE_CORE),
+    ),
+    probe="vllm_fix_read_eligibility.probe:probe",
+    recognize="vllm_fix_read_eligibility.patch:recognize",
+    apply="vllm_fix_read_eligibility.patch:apply",
+    spec="moriio-read.md §1",
+)

