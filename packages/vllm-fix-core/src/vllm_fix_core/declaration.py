@@ -84,11 +84,17 @@ def static_lookup(owner: Any, attr: str) -> Any:
 
 @dataclass(frozen=True)
 class Check:
-    """One observable symptom the probe looked for."""
+    """One observable symptom the probe looked for.
+
+    `affected` means the symptom is present. A `guard` check is not a symptom
+    of the bug but a behaviour that must stay correct (a real remote prefill
+    still loads, say): `affected` on a guard means that behaviour is broken.
+    """
 
     name: str
     affected: bool
     detail: str = ""
+    guard: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,15 +103,23 @@ class ProbeReport:
 
     @property
     def affected(self) -> bool:
-        return any(c.affected for c in self.checks)
+        """This vLLM shows at least one symptom of the bug."""
+        return any(c.affected for c in self.checks if not c.guard)
+
+    @property
+    def broken_guards(self) -> list[str]:
+        return [c.name for c in self.checks if c.guard and c.affected]
 
     def names(self, affected: bool) -> list[str]:
-        return [c.name for c in self.checks if c.affected is affected]
+        return [c.name for c in self.checks if not c.guard and c.affected is affected]
 
     def summary(self) -> str:
-        return ", ".join(
-            f"{c.name}={'affected' if c.affected else 'ok'}" for c in self.checks
-        )
+        def state(c: Check) -> str:
+            if c.guard:
+                return "BROKEN" if c.affected else "ok"
+            return "affected" if c.affected else "ok"
+
+        return ", ".join(f"{c.name}={state(c)}" for c in self.checks)
 
 
 class UnknownShape(Exception):

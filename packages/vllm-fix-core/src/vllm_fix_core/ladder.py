@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from vllm_fix_core.declaration import Fix, ProbeReport, UnknownShape
 from vllm_fix_core.hooks import locate
-from vllm_fix_core.log import get_logger
+from vllm_fix_core.log import get_logger, probing
 from vllm_fix_core.patching import PatchSet
 from vllm_fix_core.settings import Settings
 
@@ -110,9 +110,16 @@ def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool
     del resolved
     # Rung 3: does this vLLM have the bug?
     try:
-        before = fix.run_probe()
+        before = run_probe(fix)
     except Exception as exc:
         return Decision(fix.id, Rung.REFUSED, f"probe could not run on this vLLM: {exc!r}")
+    if before.broken_guards:
+        return Decision(
+            fix.id,
+            Rung.REFUSED,
+            "this vLLM does not behave as the fix assumes (" + before.summary() + "); not applied",
+            before=before,
+        )
     if not before.affected:
         return Decision(
             fix.id,
@@ -137,11 +144,11 @@ def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool
         _safe_revert(patch)
         return Decision(fix.id, Rung.FAILED, f"apply raised {exc!r}; reverted", before=before, shape=shape)
     try:
-        after = fix.run_probe()
+        after = run_probe(fix)
     except Exception as exc:
         _safe_revert(patch)
         return Decision(fix.id, Rung.FAILED, f"probe after apply raised {exc!r}; reverted", before=before, shape=shape)
-    if after.affected:
+    if after.affected or after.broken_guards:
         _safe_revert(patch)
         return Decision(
             fix.id,
@@ -160,6 +167,12 @@ def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool
         shape=shape,
         patch=patch,
     )
+
+
+def run_probe(fix: Fix) -> ProbeReport:
+    """Run the fix's probe with the fixes' own log lines silenced (see log.probing)."""
+    with probing():
+        return fix.run_probe()
 
 
 def _safe_revert(patch: PatchSet) -> None:

@@ -1,0 +1,62 @@
+"""The one declaration of this fix: runtime, tests, CLI and docs read it."""
+
+from vllm_fix_core.declaration import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+
+MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
+
+FIX = Fix(
+    id="completion-ownership",
+    title="MultiConnector frees each request exactly once, after every owner",
+    distribution="vllm-fix-completion-ownership",
+    upstream=(Upstream(60635, UpstreamStatus.PENDING),),
+    why=(
+        "With MultiConnector[MoRIIO READ producer, X] where X also holds blocks until its own "
+        "save finishes (HF3FS, LMCacheMP, ...), MultiConnector counts completions "
+        "anonymously and hands every child the same output object (vLLM 0.32.0 and 0.33.0). "
+        "A request only X holds is swallowed by MoRIIO's rewrite of finished_sending, so its "
+        "KV blocks leak until new requests wait forever (D1). With async scheduling the worker "
+        "learns the second owner a step late, frees on MoRIIO's ACK alone and then swallows "
+        "X's report: blocks are reused while X still copies them (D2). MoRIIO's watchdog frees "
+        "a request while X is pending (D3). A child accepting register_finished_partial_tail "
+        "is not counted as an owner (D4, latent)."
+    ),
+    how=(
+        "Each finished request gets an owner set: the children whose request_finished* "
+        "returned True plus those that accepted register_finished_partial_tail. The scheduler "
+        "ships owner sets (empty ones included), scheduler-side child completions and loader "
+        "children to the workers as a plain-builtins attribute of MultiKVConnectorMetadata "
+        "(extra_async_saves is kept, so an unpatched reader sees ordinary metadata). Workers "
+        "count a finished_sending report only from an owner, buffer reports that precede the "
+        "owner set, and report a request once all owners completed there; recv reports are "
+        "accepted only from the loader child. On the scheduler each child's "
+        "update_connector_output sees a private view holding only its own ids; a child's "
+        "watchdog completes that child only; a request reaches finished_sending exactly once, "
+        "when every owner completed on every worker. Wrappers on _aggregate_request_finished, "
+        "get_num_new_matched_tokens, build_connector_meta and bind_connector_metadata; bodies "
+        "of register_finished_partial_tail, update_connector_output and get_transfer_results "
+        "replaced only for the fingerprinted 0.32.0/0.33.0 shape."
+    ),
+    retire_when=(
+        "vLLM's MultiConnector tracks completion owners per child itself (vllm-project/vllm"
+        "#60635 or equivalent): the probe then reports 'fixed upstream' and nothing is "
+        "patched; drop the package once every supported vLLM release has it."
+    ),
+    targets=(
+        Target(MODULE, "MultiConnector._aggregate_request_finished", ProcessKind.ENGINE_CORE),
+        Target(MODULE, "MultiConnector.register_finished_partial_tail", ProcessKind.ENGINE_CORE),
+        Target(MODULE, "MultiConnector.get_num_new_matched_tokens", ProcessKind.ENGINE_CORE),
+        Target(MODULE, "MultiConnector.build_connector_meta", ProcessKind.ENGINE_CORE),
+        Target(MODULE, "MultiConnector.update_connector_output", ProcessKind.ENGINE_CORE),
+        Target(MODULE, "MultiConnector.bind_connector_metadata", ProcessKind.WORKER),
+        Target(MODULE, "MultiConnector.get_transfer_results", ProcessKind.WORKER),
+    ),
+    probe="vllm_fix_completion_ownership.probe:probe",
+    recognize="vllm_fix_completion_ownership.patch:recognize",
+    apply="vllm_fix_completion_ownership.patch:apply",
+    spec="connector-runner.md, concern 1",
+    notes=(
+        "Load the plugin in every vLLM process (vLLM does: general plugins load in engine "
+        "core and workers). A patched worker that receives metadata without owner sets logs "
+        "one warning and keeps vLLM's own counting.",
+    ),
+)

@@ -1,0 +1,55 @@
+"""The one declaration of this fix: runtime, tests, CLI and docs read it."""
+
+from vllm_fix_core.declaration import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+
+_PKG = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
+COMMON = f"{_PKG}.moriio_common"
+CONNECTOR = f"{_PKG}.moriio_connector"
+
+FIX = Fix(
+    id="listener-port",
+    title="MoRIIO RDMA listener port chosen by the native engine",
+    distribution="vllm-fix-listener-port",
+    upstream=(Upstream(60641, UpstreamStatus.PENDING),),
+    why=(
+        "A MoRIIO worker dies at start-up with MORI's `tcp.cpp:166] syscall failed with Address "
+        "already in use` and exit status 255, which Python cannot catch. "
+        "MoRIIOConfig.from_vllm_config picks local_kv_port with get_open_port() (bind a probe "
+        "socket, close it) and MORI binds that number later, in create_backend; every TP/DP rank "
+        "on the host does this at the same time. With VLLM_PORT set every rank gets the same "
+        "number (7 of 8 ranks die); without it the released ephemeral port can be handed to "
+        "another rank's probe or to an unrelated outgoing connection before MORI binds it."
+    ),
+    how=(
+        "Wrap MoRIIOConfig.from_vllm_config so the RDMA config carries local_kv_port=0: MORI's "
+        "listener then binds port 0 and the kernel picks a free port atomically. Wrap "
+        "MoRIIOConnectorWorker.__init__ with a post-init fix-up that reads the real port back "
+        "from moriio_engine.get_engine_desc().port once the listener is up and stores it in "
+        "worker.local_kv_port and moriio_config.local_kv_port; if the RDMA backend reports port "
+        "0 it fails with a clear error. vLLM publishes the kv port only inside that engine "
+        "descriptor, after the bind, so nothing on the wire changes. The XGMI backend (no TCP "
+        "listener) and the unused local_ping_port are left as vLLM sets them."
+    ),
+    retire_when=(
+        "vLLM's from_vllm_config no longer assigns local_kv_port from get_open_port() and the "
+        "worker publishes the port its engine actually bound (the probe then reports 'fixed "
+        "upstream' and nothing is patched); drop the package once every supported vLLM release "
+        "does."
+    ),
+    targets=(
+        Target(COMMON, "MoRIIOConfig.from_vllm_config", ProcessKind.WORKER),
+        Target(CONNECTOR, "MoRIIOConnectorWorker.__init__", ProcessKind.WORKER),
+    ),
+    probe="vllm_fix_listener_port.probe:probe",
+    recognize="vllm_fix_listener_port.patch:recognize",
+    apply="vllm_fix_listener_port.patch:apply",
+    # moriio_connector imports moriio_common itself, and the worker can only call
+    # from_vllm_config after moriio_connector is imported.
+    trigger=CONNECTOR,
+    spec="listener-port-and-k3-eof.md §1",
+    notes=(
+        "local_ping_port is still filled by vLLM's get_open_port() probe: nothing binds, "
+        "publishes or reads it (it only appears in the unused metadata_address), so the fix "
+        "neither reserves nor rewrites it.",
+    ),
+)

@@ -1,0 +1,116 @@
+"""Apply: two stateless wrappers (config asks for port 0; worker adopts the bound port).
+
+Both wrappers only touch ``local_kv_port`` and compose with any other fix's
+wrapper on the same targets (vllm_fix_core.PatchSet layers them), in either order.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
+from vllm_fix_core.fingerprint import function_ast
+from vllm_fix_core.log import get_logger
+from vllm_fix_core.patching import original_of
+
+from vllm_fix_listener_port.rule import adopt_native_port, let_native_engine_choose
+
+# (from_vllm_config, MoRIIOConnectorWorker.__init__) normalized-AST fingerprints.
+KNOWN_SHAPES = {
+    ("b76105651890c6b7", "9c7f54fd1e2be239"): "vllm-0.32.0",
+    ("b76105651890c6b7", "f3895dfaa3153145"): "vllm-0.33.0",
+}
+_logger = get_logger("listener-port")
+
+
+def _classes() -> tuple[Any, Any]:
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common, moriio_connector
+
+    return moriio_common.MoRIIOConfig, moriio_connector.MoRIIOConnectorWorker
+
+
+def config_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """MoRIIOConfig.from_vllm_config: an RDMA config asks the native listener for port 0."""
+    return let_native_engine_choose(wrapped(*args, **kwargs))
+
+
+def worker_init_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """MoRIIOConnectorWorker.__init__: once the listener is up, adopt the port it bound."""
+    wrapped(*args, **kwargs)
+    if instance is None:
+        return
+    port = adopt_native_port(instance)
+    if port is not None:
+        _logger.debug("MoRIIO RDMA listener bound port %d (chosen by the native engine)", port)
+
+
+def kv_port_value(func: Any) -> ast.expr:
+    """The expression from_vllm_config passes as ``local_kv_port=`` to ``cls(...)``."""
+    values = [
+        kw.value
+        for node in ast.walk(function_ast(func))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "cls"
+        for kw in node.keywords
+        if kw.arg == "local_kv_port"
+    ]
+    if len(values) != 1:
+        raise UnknownShape(f"from_vllm_config passes local_kv_port= to cls(...) {len(values)} times")
+    return values[0]
+
+
+def is_released_probe(value: ast.expr) -> bool:
+    """``get_open_port()`` with no arguments: a port probed and released before MORI binds."""
+    return (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id == "get_open_port"
+        and not value.args
+        and not value.keywords
+    )
+
+
+def _worker_shape(init: Any) -> None:
+    tree = function_ast(init)
+    source = ast.unparse(tree)
+    needed = {
+        "self.moriio_config = MoRIIOConfig.from_vllm_config(": "builds its config with from_vllm_config",
+        "self.local_kv_port = self.moriio_config.local_kv_port": "copies local_kv_port from the config",
+        "self.moriio_engine = IOEngine(": "creates the native IOEngine",
+        "IOEngineConfig(self.moriio_config.local_ip, self.moriio_config.local_kv_port)": (
+            "hands moriio_config.local_kv_port to IOEngineConfig"
+        ),
+        ".set_backend_type(": "starts the backend (the native bind) inside __init__",
+    }
+    for text, what in needed.items():
+        if text not in source:
+            raise UnknownShape(f"MoRIIOConnectorWorker.__init__ no longer {what}")
+    order = [source.index(t) for t in ("from_vllm_config(", "IOEngine(", ".set_backend_type(")]
+    if order != sorted(order):
+        raise UnknownShape("MoRIIOConnectorWorker.__init__ builds config, engine, backend in another order")
+
+
+def recognize() -> str:
+    config_cls, worker_cls = _classes()
+    raw = original_of(config_cls, "from_vllm_config")
+    if not isinstance(raw, classmethod):
+        raise UnknownShape("MoRIIOConfig.from_vllm_config is no longer a classmethod")
+    fields = getattr(config_cls, "__dataclass_fields__", {})
+    for name in ("local_kv_port", "local_ping_port", "backend"):
+        if name not in fields:
+            raise UnknownShape(f"MoRIIOConfig has no {name} field")
+    value = kv_port_value(raw)
+    if not is_released_probe(value):
+        raise UnknownShape(f"from_vllm_config sets local_kv_port={ast.unparse(value)}, not get_open_port()")
+    init = original_of(worker_cls, "__init__")
+    _worker_shape(init)
+    key = (ast_fingerprint(raw), ast_fingerprint(init))
+    return KNOWN_SHAPES.get(key, "structural")
+
+
+def apply(patch: PatchSet, shape: str) -> None:
+    config_cls, worker_cls = _classes()
+    patch.wrap(config_cls, "from_vllm_config", config_wrapper)
+    patch.wrap(worker_cls, "__init__", worker_init_wrapper)

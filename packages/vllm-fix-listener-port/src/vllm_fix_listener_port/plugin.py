@@ -1,0 +1,9 @@
+"""vLLM general-plugin entry point (loaded in every vLLM process). Imports nothing heavy."""
+
+
+def register() -> None:
+    from vllm_fix_core.runtime import install
+
+    from vllm_fix_listener_port.declaration import FIX
+
+    install(FIX)

@@ -1,0 +1,108 @@
+"""Apply: replace MoRIIOConnectorWorker._build_shared_kv_mr, only for its known shape.
+
+The original cannot be wrapped: it raises (or builds a registration before the
+allocation) on the inputs this fix exists for, so the body is replaced, and
+only where the normalized AST is exactly the one read in vLLM 0.32.0/0.33.0.
+The replacement keeps the original's contract: ``(contiguous uint8 tensor,
+{layer: data_ptr - registration base})`` for the layers it was given, in their
+order. Remote offsets are computed by vLLM from the peer's own advertised
+base, so an unpatched peer keeps working against a patched one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
+from vllm_fix_core.patching import original_of
+from vllm_fix_mr_extent.rule import (
+    PAGE_SIZE,
+    Region,
+    SharedMRError,
+    SharedMRPlan,
+    Storage,
+    plan_shared_mr,
+)
+
+MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
+
+# Normalized-AST fingerprint (vllm_fix_core.ast_fingerprint) of the known target.
+KNOWN_SHAPES = {"9d889e36e282c898": "vllm-0.32.0/0.33.0"}
+
+
+def _module() -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
+
+    return moriio_connector
+
+
+def storage_of(tensor: Any) -> Storage:
+    storage = tensor.untyped_storage()
+    return Storage(start=int(storage.data_ptr()), nbytes=int(storage.nbytes()), device=str(tensor.device))
+
+
+def collect_regions(kv_caches: dict[str, Any], layer_to_spec: Any) -> list[Region]:
+    """Every registration region of every layer, as vLLM itself enumerates them."""
+    iter_regions = _module().iter_layer_registration_regions
+    regions: list[Region] = []
+    for layer, cache in kv_caches.items():
+        for index, (tensor, nbytes) in enumerate(iter_regions(layer, cache, layer_to_spec)):
+            regions.append(
+                Region(
+                    layer=layer,
+                    index=index,
+                    ptr=int(tensor.data_ptr()),
+                    nbytes=int(nbytes),
+                    storage=storage_of(tensor),
+                )
+            )
+    return regions
+
+
+def registration_tensor(anchor: Any, plan: SharedMRPlan) -> Any:
+    """A contiguous uint8 view of ``[plan.base, plan.end)`` on ``anchor``'s storage (zero-copy)."""
+    import torch
+
+    view = torch.empty(0, dtype=torch.uint8, device=anchor.device)
+    view.set_(anchor.untyped_storage(), plan.storage_offset, (plan.length,), (1,))
+    if view.data_ptr() != plan.base and plan.length:
+        raise RuntimeError(  # would mean torch placed the view differently; never register it
+            f"registration view starts at {view.data_ptr():#x}, expected {plan.base:#x}"
+        )
+    return view
+
+
+def build_shared_kv_mr(self: Any, kv_caches: dict[str, Any]) -> tuple[Any, dict[str, int]]:
+    """Replacement body of MoRIIOConnectorWorker._build_shared_kv_mr (rule: moriio-read.md §2.3)."""
+    regions = collect_regions(kv_caches, self.layer_to_spec)
+    layer_ptrs = {layer: int(cache.data_ptr()) for layer, cache in kv_caches.items()}
+    plan = plan_shared_mr(regions, layer_ptrs, PAGE_SIZE)
+    anchor = next(iter(kv_caches.values()))
+    if storage_of(anchor) != plan.storage:
+        raise SharedMRError(
+            f"layer {next(iter(kv_caches))!r} is on {storage_of(anchor).describe()}, but its "
+            f"registration regions are on {plan.storage.describe()}"
+        )
+    return registration_tensor(anchor, plan), dict(plan.offsets)
+
+
+def recognize() -> str:
+    mc = _module()
+    cls = mc.MoRIIOConnectorWorker
+    method = original_of(cls, "_build_shared_kv_mr") if "_build_shared_kv_mr" in cls.__dict__ else None
+    if method is None:
+        raise UnknownShape("MoRIIOConnectorWorker._build_shared_kv_mr is not defined on the class")
+    if not callable(getattr(mc, "iter_layer_registration_regions", None)):
+        raise UnknownShape("moriio_connector no longer imports iter_layer_registration_regions")
+    fingerprint = ast_fingerprint(method)
+    shape = KNOWN_SHAPES.get(fingerprint)
+    if shape is None:
+        raise UnknownShape(
+            f"_build_shared_kv_mr has normalized AST {fingerprint}, not a known shape "
+            f"({', '.join(KNOWN_SHAPES)}); its body is only replaced for a shape read exactly"
+        )
+    return shape
+
+
+def apply(patch: PatchSet, shape: str) -> None:
+    patch.replace(_module().MoRIIOConnectorWorker, "_build_shared_kv_mr", build_shared_kv_mr)

@@ -1,0 +1,8 @@
+"""vLLM general-plugin entry point (loaded in every vLLM process). Imports nothing heavy."""
+
+
+def register() -> None:
+    from vllm_fix_core.runtime import install
+    from vllm_fix_mr_extent.declaration import FIX
+
+    install(FIX)
