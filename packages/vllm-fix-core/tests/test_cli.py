@@ -1,0 +1,117 @@
+"""`vllm-fixes list/status/verify` against an installed (fake) fix distribution, in subprocesses,
+and VLLM_PLUGINS as real vLLM applies it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_fix_core.cli import VLLM_PLUGINS_WARNING
+
+
+@pytest.fixture
+def fake_dist(demo: Any, tmp_path: Path) -> dict[str, str]:
+    """A dist-info on PYTHONPATH registering the demo fix in both entry-point groups."""
+    (tmp_path / "demo_decl.py").write_text(
+        "from vllm_fix_core.declaration import *\n"
+        f"FIX = Fix(id={demo.fix.id!r}, title='demo', distribution='vllm-fix-demo',"
+        " upstream=(Upstream(1, UpstreamStatus.PENDING),), why='w', how='h', retire_when='r',"
+        f" targets=(Target({demo.module!r}, 'Widget.compute', ProcessKind.WORKER),),"
+        f" probe={demo.fix.probe!r}, recognize={demo.fix.recognize!r}, apply={demo.fix.apply!r})\n"
+        "def register():\n"
+        "    from vllm_fix_core.runtime import install\n"
+        "    install(FIX)\n"
+    )
+    info = tmp_path / "vllm_fix_demo-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-fix-demo\nVersion: 0.0.1\n")
+    (info / "entry_points.txt").write_text(
+        f"[vllm.general_plugins]\n{demo.fix.entry_point} = demo_decl:register\n\n"
+        f"[vllm_fixes]\n{demo.fix.id} = demo_decl:FIX\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    env.pop("VLLM_PLUGINS", None)
+    return env
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_fix_core.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def only_demo(items: list[dict[str, Any]], demo: Any) -> dict[str, Any]:
+    return next(i for i in items if i["id"] == demo.fix.id)
+
+
+def test_list_json(fake_dist: dict[str, str], demo: Any) -> None:
+    out = cli(fake_dist, "list", "--json")
+    assert out.returncode == 0, out.stderr
+    item = only_demo(json.loads(out.stdout), demo)
+    assert item["version"] == "0.0.1" and item["entry_point"] == demo.fix.entry_point
+    assert item["upstream"][0]["url"].endswith("/pull/1")
+
+
+def test_status_reports_rung_and_vllm_plugins(fake_dist: dict[str, str], demo: Any) -> None:
+    out = cli(fake_dist, "status", "--json")
+    data = json.loads(out.stdout)
+    row = only_demo(data["fixes"], demo)
+    assert row["rung"] == "evaluated" and row["checks"] == {"off-by-one": True}
+    assert row["plugin_loaded_by_vllm"] is True and data["warnings"] == []
+    env = {**fake_dist, "VLLM_PLUGINS": "some_other_plugin", "VLLM_FIXES_DISABLE": demo.fix.id}
+    data = json.loads(cli(env, "status", "--json").stdout)
+    row = only_demo(data["fixes"], demo)
+    assert row["rung"] == "disabled"
+    assert row["plugin_loaded_by_vllm"] is False and "does not name it" in row["vllm_plugins"]
+    assert data["warnings"] == [VLLM_PLUGINS_WARNING]
+    text = cli(env, "status").stdout
+    assert "WARNING: VLLM_PLUGINS is set" in text
+
+
+def test_verify_table_and_exit_codes(fake_dist: dict[str, str], demo: Any, tmp_path: Path) -> None:
+    out = cli(fake_dist, "verify", "--json", "--fix", demo.fix.id)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout)["results"][0]
+    assert result["outcome"] == "affected → fixed"
+    # A fix that does not fix: verify fails (non-zero exit) and says so.
+    fix_src = tmp_path / f"{demo.fix_module}.py"
+    fix_src.write_text(fix_src.read_text().replace('"mode": "good"', '"mode": "ineffective"'))
+    out = cli(fake_dist, "verify", "--fix", demo.fix.id)
+    assert out.returncode == 1
+    assert "FAILED TO FIX" in out.stdout
+    assert cli(fake_dist, "verify", "--fix", "no-such-fix").returncode == 2
+
+
+def test_vllm_plugins_filter_matches_real_vllm(fake_dist: dict[str, str], demo: Any) -> None:
+    """What `status` says about VLLM_PLUGINS is what vLLM's own loader does."""
+    cases: list[tuple[str | None, bool]] = [(None, True), ("some_other_plugin", False), (demo.fix.entry_point, True)]
+    code = (
+        "import json, os, sys\n"
+        "from vllm.plugins import load_plugins_by_group as load\n"
+        "out = []\n"
+        "for allowed in json.loads(sys.argv[1]):\n"
+        "    os.environ.pop('VLLM_PLUGINS', None)\n"
+        "    if allowed is not None: os.environ['VLLM_PLUGINS'] = allowed\n"
+        "    out.append(sorted(load('vllm.general_plugins')))\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps([a for a, _ in cases])],
+        env=fake_dist, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded_by_vllm = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (allowed, expected), names in zip(cases, loaded_by_vllm, strict=True):
+        assert (demo.fix.entry_point in names) is expected
+        env = dict(fake_dist)
+        if allowed is not None:
+            env["VLLM_PLUGINS"] = allowed
+        status = json.loads(cli(env, "status", "--json", "--fix", demo.fix.id).stdout)
+        assert status["fixes"][0]["plugin_loaded_by_vllm"] is expected

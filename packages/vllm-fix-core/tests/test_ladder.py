@@ -1,0 +1,117 @@
+"""The decision ladder (DESIGN.md): one decision and one log line per fix per process."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from vllm_fix_core import FixFailed, FixRefused, Rung, Settings, runtime
+from vllm_fix_core.patching import layers_of
+
+LAX = Settings(disabled=frozenset(), strict=False)
+STRICT = Settings(disabled=frozenset(), strict=True)
+Lines = Callable[[str], list[tuple[str, str]]]
+
+
+def test_applies_verifies_and_reverts_exactly(demo, fix_lines: Lines) -> None:  # type: ignore[no-untyped-def]
+    __import__(demo.module)
+    original = demo.raw()
+    decision = runtime.apply(demo.fix, LAX)
+    assert decision.rung is Rung.APPLIED and decision.shape == "demo-1"
+    assert demo.widget()().compute(1) == 3
+    assert fix_lines(demo.fix.id) == [("INFO", decision.message)]
+    assert runtime.apply(demo.fix, LAX) is decision  # idempotent
+    assert layers_of(demo.widget(), "compute") == [demo.fix.id]
+    assert runtime.revert(demo.fix) is True
+    assert demo.raw() is original
+
+
+def test_disabled_by_id_or_all(demo, fix_lines: Lines, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    for value in (demo.fix.id, "all", demo.fix.entry_point, f"other, {demo.fix.id.upper()}"):
+        monkeypatch.setenv("VLLM_FIXES_DISABLE", value)
+        monkeypatch.setenv("VLLM_FIXES_STRICT", "1")
+        d = runtime.install(demo.fix)
+        assert d.rung is Rung.DISABLED, value
+        runtime.revert(demo.fix)
+    assert [level for level, _ in fix_lines(demo.fix.id)] == ["DEBUG"] * 4
+    assert demo.module not in sys.modules  # nothing imported, nothing patched
+
+
+def test_not_applicable_when_target_module_absent(demo, fix_lines: Lines) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    from vllm_fix_core.declaration import Target
+
+    missing = replace(demo.fix, targets=(Target("no_such_module_xyz", "A.b", demo.fix.targets[0].process),))
+    d = runtime.install(missing, STRICT)
+    assert d.rung is Rung.NOT_APPLICABLE
+    assert fix_lines(demo.fix.id) == [("DEBUG", d.message)]
+
+
+def test_upstream_fixed_patches_nothing(demo, fix_lines: Lines) -> None:  # type: ignore[no-untyped-def]
+    mod = __import__(demo.module)
+    mod.Widget.compute = lambda self, x: x + 2
+    d = runtime.apply(demo.fix, STRICT)
+    assert d.rung is Rung.UPSTREAM_FIXED and d.patch is None
+    assert layers_of(mod.Widget, "compute") == []
+    assert fix_lines(demo.fix.id) == [("INFO", d.message)]
+
+
+@pytest.mark.parametrize("mode", ["unknown-shape", "probe-raises"])
+def test_refused_logs_warning_changes_nothing_and_strict_raises(demo, fix_lines: Lines, mode: str) -> None:  # type: ignore[no-untyped-def]
+    __import__(demo.module)
+    demo.set_mode(mode)
+    original = demo.raw()
+    d = runtime.apply(demo.fix, LAX)
+    assert d.rung is Rung.REFUSED and demo.raw() is original
+    assert fix_lines(demo.fix.id) == [("WARNING", d.message)]
+    runtime.revert(demo.fix)
+    with pytest.raises(FixRefused):
+        runtime.apply(demo.fix, STRICT)
+    assert demo.raw() is original
+
+
+def test_failed_to_fix_is_reverted_and_strict_raises(demo, fix_lines: Lines) -> None:  # type: ignore[no-untyped-def]
+    __import__(demo.module)
+    demo.set_mode("ineffective")
+    original = demo.raw()
+    d = runtime.apply(demo.fix, LAX)
+    assert d.rung is Rung.FAILED and demo.raw() is original
+    assert fix_lines(demo.fix.id) == [("ERROR", d.message)]
+    runtime.revert(demo.fix)
+    with pytest.raises(FixFailed):
+        runtime.apply(demo.fix, STRICT)
+    assert demo.raw() is original
+
+
+def test_lazy_install_decides_on_import(demo, fix_lines: Lines) -> None:  # type: ignore[no-untyped-def]
+    assert demo.module not in sys.modules
+    d = runtime.install(demo.fix, LAX)
+    assert d.rung is Rung.PENDING and fix_lines(demo.fix.id) == []
+    assert demo.module not in sys.modules  # installing imported nothing
+    mod = __import__(demo.module)
+    assert mod.Widget().compute(1) == 3
+    assert runtime.decisions()[demo.fix.id].rung is Rung.APPLIED
+    assert len(fix_lines(demo.fix.id)) == 1
+
+
+def test_lazy_install_reports_failed_import_once(demo, fix_lines: Lines, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / f"{demo.module}.py").write_text("raise ImportError('needs msgpack')\n")
+    runtime.install(demo.fix, STRICT)
+    with pytest.raises(ImportError):
+        __import__(demo.module)
+    assert runtime.decisions()[demo.fix.id].rung is Rung.NOT_APPLICABLE
+    lines = fix_lines(demo.fix.id)
+    assert len(lines) == 1 and lines[0][0] == "DEBUG" and "needs msgpack" in lines[0][1]
+
+
+def test_probe_output_is_silenced_while_probing(demo, fix_lines: Lines) -> None:  # type: ignore[no-untyped-def]
+    from vllm_fix_core.log import get_logger, probing
+
+    log = get_logger(demo.fix.id)
+    with probing():
+        log.warning("from a probe")
+    log.warning("outside")
+    assert fix_lines(demo.fix.id) == [("WARNING", "outside")]
