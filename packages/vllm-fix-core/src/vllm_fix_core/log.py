@@ -8,6 +8,7 @@ and must not make the fix warn about requests that do not exist.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,13 +40,13 @@ _FILTER = _ProbeFilter()
 
 
 def get_logger(fix_id: str) -> logging.Logger:
+    """`vllm.fixes.<id>`: a child of vLLM's "vllm" logger, so its lines go through vLLM's
+    handler, format and VLLM_LOGGING_LEVEL. vLLM's own init_logger is used when vLLM's logger
+    module is already loaded (always, in a vLLM process); it is never imported just for this."""
     name = f"{LOGGER_PREFIX}.{fix_id}"
-    try:
-        from vllm.logger import init_logger
-    except Exception:  # no vLLM (unit tests, the CLI outside a vLLM venv)
-        logger = logging.getLogger(name)
-    else:
-        logger = init_logger(name)
+    vllm_logger = sys.modules.get("vllm.logger")
+    init_logger = getattr(vllm_logger, "init_logger", None)
+    logger = init_logger(name) if callable(init_logger) else logging.getLogger(name)
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)
     return logger

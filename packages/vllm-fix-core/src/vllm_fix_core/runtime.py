@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import threading
 from types import ModuleType
 
@@ -20,10 +23,36 @@ def decisions() -> dict[str, Decision]:
         return dict(_decisions)
 
 
+REPORT_ENV = "VLLM_FIXES_REPORT"
+
+
 def _store(decision: Decision) -> Decision:
     with _lock:
         _decisions[decision.fix_id] = decision
+        _report(decision)
     return decision
+
+
+def _report(decision: Decision) -> None:
+    """Append the decision as a JSON line to $VLLM_FIXES_REPORT (audit: which process decided what)."""
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    import multiprocessing
+
+    line = {
+        "pid": os.getpid(),
+        "process": multiprocessing.current_process().name,
+        "argv0": os.path.basename(sys.argv[0]) if sys.argv else "",
+        "fix": decision.fix_id,
+        "rung": decision.rung.value,
+        "reason": decision.reason,
+    }
+    try:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(line) + "\n")
+    except OSError:  # an audit file must never break vLLM
+        pass
 
 
 def install(fix: Fix, settings: Settings | None = None) -> Decision:

@@ -42,32 +42,33 @@ def recognize() -> str:
     return "structural"
 
 
-def _wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if instance is None or getattr(instance, "is_producer", True):
-        return wrapped(*args, **kwargs)
-    _, mode_enum = _classes()
-    if getattr(instance, "mode", None) != mode_enum.READ:
-        return wrapped(*args, **kwargs)
-    request = args[0] if args else kwargs["request"]
-    params = getattr(request, "kv_transfer_params", None)
-    if not wants_remote_prefill(params):
+def _make_wrapper(read_mode: Any) -> Any:
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # Producer, WRITE mode, or a class-level call: vLLM's own rule, untouched.
+        if instance is None or instance.is_producer or instance.mode is not read_mode:
+            return wrapped(*args, **kwargs)
+        request = args[0] if args else kwargs["request"]
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return 0, False
+        reason = malformed_reason(params)
+        if reason is None:
+            return wrapped(*args, **kwargs)
+        _logger.warning(
+            "MoRIIO READ: request %s asked for a remote prefill but its kv_transfer_params "
+            "cannot drive a READ (%s); recomputing its prompt locally instead",
+            getattr(request, "request_id", "?"),
+            reason,
+        )
+        try:  # vLLM clears the flag once a READ is queued; do the same so nothing is queued.
+            params["do_remote_prefill"] = False
+        except TypeError:
+            pass
         return 0, False
-    reason = malformed_reason(params)
-    if reason is None:
-        return wrapped(*args, **kwargs)
-    _logger.warning(
-        "MoRIIO READ: request %s asked for a remote prefill but its kv_transfer_params "
-        "cannot drive a READ (%s); recomputing its prompt locally instead",
-        getattr(request, "request_id", "?"),
-        reason,
-    )
-    try:  # vLLM clears the flag once a READ is queued; do the same so nothing is queued.
-        params["do_remote_prefill"] = False
-    except TypeError:
-        pass
-    return 0, False
+
+    return wrapper
 
 
 def apply(patch: PatchSet, shape: str) -> None:
-    cls, _ = _classes()
-    patch.wrap(cls, "get_num_new_matched_tokens", _wrapper)
+    cls, mode = _classes()
+    patch.wrap(cls, "get_num_new_matched_tokens", _make_wrapper(mode.READ))
