@@ -48,7 +48,9 @@ def _base(session: nox.Session, target: str) -> Path:
     package alone" means exactly that package and its local dependencies.
     """
     base = CACHE / f"base-{target}"
-    third = sorted({req for p in workspace.packages() for req in workspace.local_closure(p)[1]} | set(TEST_TOOLS))
+    third = sorted(
+        {req for p in workspace.packages() for req in workspace.local_closure(p)[1]} | set(TEST_TOOLS)
+    )
     commands = vllm_env.install_commands(target, str(base / "bin" / "python"), third)
     key = json.dumps(commands)
     marker = base / ".complete"
@@ -65,8 +67,17 @@ def _install(session: nox.Session, target: str, pkgs: list[workspace.Package]) -
     """Real vLLM `target` (from the shared base) plus exactly `pkgs` (no dependency resolution)."""
     site = _base(session, target)
     (_site_packages(Path(session.virtualenv.location)) / "_vllm_fixes_base.pth").write_text(f"{site}\n")  # type: ignore[union-attr]
-    session.run_install("uv", "pip", "install", "--quiet", "--python", _python(session), "--no-deps",
-                        *_local_args(pkgs), external=True)
+    session.run_install(
+        "uv",
+        "pip",
+        "install",
+        "--quiet",
+        "--python",
+        _python(session),
+        "--no-deps",
+        *_local_args(pkgs),
+        external=True,
+    )
 
 
 def _env(target: str) -> dict[str, str]:
@@ -83,9 +94,23 @@ REPORTS = ROOT / ".nox" / "_reports"
 def _pytest(session: nox.Session, target: str, paths: list[str], *extra: str) -> None:
     REPORTS.mkdir(parents=True, exist_ok=True)
     report = REPORTS / f"{session.name}.xml"
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), *extra, *paths, *session.posargs,
-                env=_env(target))
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={report}",
+        "--rootdir",
+        str(ROOT),
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        *extra,
+        *paths,
+        *session.posargs,
+        env=_env(target),
+    )
 
 
 # ------------------------------------------------------------------ each package alone
@@ -94,8 +119,13 @@ def _package_session(pkg: workspace.Package, target: str) -> None:
         local, _ = workspace.local_closure(pkg)
         # Only this package and its local dependencies (its own `test` extra included).
         _install(session, target, local)
-        session.run("python", "-c", "import importlib.metadata as m; print(sorted(d.metadata['Name'] "
-                    "for d in m.distributions() if d.metadata['Name'].startswith('vllm-fix')))", silent=False)
+        session.run(
+            "python",
+            "-c",
+            "import importlib.metadata as m; print(sorted(d.metadata['Name'] "
+            "for d in m.distributions() if d.metadata['Name'].startswith('vllm-fix')))",
+            silent=False,
+        )
         _pytest(session, target, [str(pkg.tests)], "-m", "not stress")
 
     session_fn.__doc__ = f"{pkg.name} alone on vLLM {target}"
@@ -122,7 +152,9 @@ def _combined(target: str) -> None:
         _pytest(session, target, paths, "-m", "not stress")
 
     session_fn.__doc__ = f"the meta-package: every package's tests plus integration/ on vLLM {target}"
-    nox.session(name=f"combined-{target}", python=PYTHON, tags=["ci", "combined", f"vllm-{target}"])(session_fn)
+    nox.session(name=f"combined-{target}", python=PYTHON, tags=["ci", "combined", f"vllm-{target}"])(
+        session_fn
+    )
 
 
 def _stress(target: str) -> None:
@@ -194,6 +226,16 @@ def build(session: nox.Session) -> None:
     clean = Path(session.create_tmp()) / "clean-venv"
     session.run("uv", "venv", "-q", "--python", PYTHON, str(clean), external=True)
     py = str(clean / "bin" / "python")
-    session.run("uv", "pip", "install", "--python", py, "--find-links", str(dist), *vllm_env.uv_args(),
-                "vllm-fixes", external=True)
+    session.run(
+        "uv",
+        "pip",
+        "install",
+        "--python",
+        py,
+        "--find-links",
+        str(dist),
+        *vllm_env.uv_args(),
+        "vllm-fixes",
+        external=True,
+    )
     session.run(str(clean / "bin" / "vllm-fixes"), "list", external=True)

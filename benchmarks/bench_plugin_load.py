@@ -43,8 +43,10 @@ def main() -> int:
     load = [r["load_call_ms"] for r in rows]
     disc = [r["discover_ms"] for r in rows]
     print(f"fix plugins loaded per process: {rows[0]['n']}")
-    print(f"load + register, all fixes: median {statistics.median(load):.2f} ms "
-          f"(min {min(load):.2f}, max {max(load):.2f}) over {len(rows)} fresh processes; goal < 20 ms")
+    print(
+        f"load + register, all fixes: median {statistics.median(load):.2f} ms "
+        f"(min {min(load):.2f}, max {max(load):.2f}) over {len(rows)} fresh processes; goal < 20 ms"
+    )
     print(f"entry-point discovery (vLLM does this anyway): median {statistics.median(disc):.2f} ms")
     print(f"target modules imported by loading: {rows[0]['target_modules_imported'] or 'none'}")
     return 0

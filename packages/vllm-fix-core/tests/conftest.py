@@ -14,13 +14,13 @@ import pytest
 
 from vllm_fix_core.declaration import Fix, ProcessKind, Target, Upstream, UpstreamStatus
 
-TARGET_SRC = '''
+TARGET_SRC = """
 class Widget:
     def compute(self, x):
         return x + 1   # the "bug": should return x + 2
-'''
+"""
 
-FIX_SRC = '''
+FIX_SRC = """
 from vllm_fix_core import Check, ProbeReport, UnknownShape, ast_fingerprint
 import importlib
 
@@ -51,7 +51,7 @@ def apply(patch, shape):
         return result if MODE["mode"] == "ineffective" else result + 1
 
     patch.wrap(_widget(), "compute", wrapper)
-'''
+"""
 
 
 class Demo:

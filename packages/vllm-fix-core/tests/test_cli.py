@@ -43,7 +43,11 @@ def fake_dist(demo: Any, tmp_path: Path) -> dict[str, str]:
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "vllm_fix_core.cli", *args], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "vllm_fix_core.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -91,7 +95,11 @@ def test_verify_table_and_exit_codes(fake_dist: dict[str, str], demo: Any, tmp_p
 
 def test_vllm_plugins_filter_matches_real_vllm(fake_dist: dict[str, str], demo: Any) -> None:
     """What `status` says about VLLM_PLUGINS is what vLLM's own loader does."""
-    cases: list[tuple[str | None, bool]] = [(None, True), ("some_other_plugin", False), (demo.fix.entry_point, True)]
+    cases: list[tuple[str | None, bool]] = [
+        (None, True),
+        ("some_other_plugin", False),
+        (demo.fix.entry_point, True),
+    ]
     code = (
         "import json, os, sys\n"
         "from vllm.plugins import load_plugins_by_group as load\n"
@@ -104,7 +112,10 @@ def test_vllm_plugins_filter_matches_real_vllm(fake_dist: dict[str, str], demo: 
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, json.dumps([a for a, _ in cases])],
-        env=fake_dist, capture_output=True, text=True, timeout=300,
+        env=fake_dist,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded_by_vllm = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -78,7 +78,7 @@ def test_replace_then_wrap_keeps_wrapper_on_top() -> None:
 
     pr.replace(T, "method", body)
     assert T().method(2) == 16  # wrapper over the replacement
-    assert getattr(body, "__vllm_fix__") == "r"
+    assert body.__vllm_fix__ == "r"
     pr.revert()
     assert T().method(2) == 13
     pw.revert()

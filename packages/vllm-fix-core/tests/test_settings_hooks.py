@@ -9,7 +9,8 @@ from vllm_fix_core.settings import Settings, normalize_id, vllm_plugins_filter
 
 
 @pytest.mark.parametrize(
-    "raw", ["read-eligibility", "vllm_fix_read_eligibility", "vllm-fix-read-eligibility", " READ_ELIGIBILITY "]
+    "raw",
+    ["read-eligibility", "vllm_fix_read_eligibility", "vllm-fix-read-eligibility", " READ_ELIGIBILITY "],
 )
 def test_normalize_id(raw: str) -> None:
     assert normalize_id(raw) == "read-eligibility"

@@ -73,7 +73,9 @@ def scenario(name: str) -> dict[str, Any]:
 
             mod.MoRIIOConnectorScheduler.get_num_new_matched_tokens = drifted
             load_general_plugins()
-            result["still_drifted"] = mod.MoRIIOConnectorScheduler.__dict__["get_num_new_matched_tokens"] is drifted
+            result["still_drifted"] = (
+                mod.MoRIIOConnectorScheduler.__dict__["get_num_new_matched_tokens"] is drifted
+            )
         else:
             raise SystemExit(f"unknown scenario {name}")
     except Exception as exc:

@@ -47,7 +47,9 @@ def test_applies_lazily_when_vllm_imports_moriio(results: dict[str, dict[str, An
 def test_disabled_logs_one_debug_line_and_patches_nothing(results: dict[str, dict[str, Any]]) -> None:
     r = results["disabled"]
     assert r["state"] == {"imported": True, "layers": []}
-    assert r["all_lines"] == [["DEBUG", "vllm-fix read-eligibility: disabled: disabled by VLLM_FIXES_DISABLE"]]
+    assert r["all_lines"] == [
+        ["DEBUG", "vllm-fix read-eligibility: disabled: disabled by VLLM_FIXES_DISABLE"]
+    ]
 
 
 def test_moriio_unimportable_logs_one_line_and_changes_nothing(results: dict[str, dict[str, Any]]) -> None:

@@ -14,7 +14,9 @@ from vllm_fix_read_eligibility import FIX
 from vllm_fix_read_eligibility.probe import consumer
 from vllm_fix_read_eligibility.rule import malformed_reason
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 50), st.text(max_size=4), st.floats(allow_nan=False))
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 50), st.text(max_size=4), st.floats(allow_nan=False)
+)
 groups = st.lists(st.one_of(st.integers(0, 100), scalars), max_size=4)
 block_ids = st.one_of(
     scalars,

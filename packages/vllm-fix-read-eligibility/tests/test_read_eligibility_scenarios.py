@@ -42,7 +42,9 @@ def test_malformed_params_warn_once_naming_the_request(caplog: pytest.LogCapture
         first = sched.get_num_new_matched_tokens(req, 0)
         second = sched.get_num_new_matched_tokens(req, 0)
     assert first == second == (0, False)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "req-malformed-7" in r.getMessage()]
+    warnings = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "req-malformed-7" in r.getMessage()
+    ]
     assert len(warnings) == 1
     assert "remote_block_ids is a str" in warnings[0].getMessage()
     assert params["do_remote_prefill"] is False  # nothing will be queued for it
@@ -57,7 +59,9 @@ def test_well_formed_remote_prefill_still_claims_n_minus_1() -> None:
             assert matched(consumer(), WELL_FORMED) == (PROMPT - 1, False)
 
 
-@pytest.mark.parametrize("params", [None, {}, WELL_FORMED, MALFORMED["no-block-ids"], {"do_remote_prefill": False}])
+@pytest.mark.parametrize(
+    "params", [None, {}, WELL_FORMED, MALFORMED["no-block-ids"], {"do_remote_prefill": False}]
+)
 @pytest.mark.parametrize("side", ["producer-read", "consumer-write", "producer-write"])
 def test_write_mode_and_producer_unchanged(side: str, params: Any) -> None:
     def sched() -> Any:
@@ -84,12 +88,19 @@ def test_lifecycle_flag_cleared_then_claims_nothing(read_consumer_scheduler: Any
     manager = read_consumer_scheduler.kv_cache_manager
 
     def run(rid: str) -> tuple[Any, Any, bool]:
-        params = {"do_remote_prefill": True, "remote_block_ids": [[10, 11]], "remote_engine_id": "p0",
-                  "transfer_id": f"tx-{rid}"}
+        params = {
+            "do_remote_prefill": True,
+            "remote_block_ids": [[10, 11]],
+            "remote_engine_id": "p0",
+            "transfer_id": f"tx-{rid}",
+        }
         req = real_request(rid, PROMPT, kv_transfer_params=params)
         first = connector.get_num_new_matched_tokens(req, 0)
-        blocks = manager.create_kv_cache_blocks(([],)) if hasattr(manager, "create_kv_cache_blocks") else \
-            KVCacheBlocks(([],))
+        blocks = (
+            manager.create_kv_cache_blocks(([],))
+            if hasattr(manager, "create_kv_cache_blocks")
+            else KVCacheBlocks(([],))
+        )
         connector.update_state_after_alloc(req, blocks, first[0])
         queued = rid in connector._reqs_need_recv
         connector._reqs_need_recv.pop(rid, None)

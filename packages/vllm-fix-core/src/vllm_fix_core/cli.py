@@ -23,7 +23,10 @@ VLLM_PLUGINS_WARNING = (
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
+
+    def line(row: list[str]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
@@ -37,7 +40,9 @@ def _vllm_version() -> str:
 
 
 def _upstream(fix: Fix) -> str:
-    return ", ".join(f"#{u.pr} ({u.status.value}{' in ' + u.merged_in if u.merged_in else ''})" for u in fix.upstream)
+    return ", ".join(
+        f"#{u.pr} ({u.status.value}{' in ' + u.merged_in if u.merged_in else ''})" for u in fix.upstream
+    )
 
 
 # ---------------------------------------------------------------- list
@@ -135,8 +140,10 @@ def cmd_status(items: list[Installed], as_json: bool) -> int:
             )
         )
         return 0
-    print(f"vLLM {_vllm_version()}; {STRICT_ENV}={'1' if settings.strict else 'unset'}; "
-          f"{DISABLE_ENV}={','.join(sorted(settings.disabled)) or 'unset'}")
+    print(
+        f"vLLM {_vllm_version()}; {STRICT_ENV}={'1' if settings.strict else 'unset'}; "
+        f"{DISABLE_ENV}={','.join(sorted(settings.disabled)) or 'unset'}"
+    )
     for w in warnings:
         print(f"WARNING: {w}")
     table = [[r.fix.id, _rung_text(r.decision), r.plugin_note, r.decision.reason] for r in rows]
@@ -182,7 +189,9 @@ def verify_fix(fix: Fix) -> dict[str, Any]:
                 outcome = OUTCOME_FAILED
             else:
                 outcome = OUTCOME_REFUSED
-            checks.append({"check": check.name, "guard": check.guard, "outcome": outcome, "detail": check.detail})
+            checks.append(
+                {"check": check.name, "guard": check.guard, "outcome": outcome, "detail": check.detail}
+            )
     if decision.rung is Rung.APPLIED:
         overall = OUTCOME_FIXED
     elif decision.rung is Rung.UPSTREAM_FIXED:
@@ -214,7 +223,14 @@ def cmd_verify(items: list[Installed], as_json: bool) -> int:
         print(f"vLLM {_vllm_version()}")
         rows: list[list[str]] = []
         for r in results:
-            rows.append([r["id"], r["outcome"], r["shape"] or "", r["reason"] if r["outcome"] != OUTCOME_FIXED else ""])
+            rows.append(
+                [
+                    r["id"],
+                    r["outcome"],
+                    r["shape"] or "",
+                    r["reason"] if r["outcome"] != OUTCOME_FIXED else "",
+                ]
+            )
             for c in r["checks"]:
                 rows.append(["  " + c["check"], c["outcome"], "", ""])
         print(_table(rows, ["fix / check", "outcome", "shape", "note"]))
@@ -223,7 +239,9 @@ def cmd_verify(items: list[Installed], as_json: bool) -> int:
 
 # ---------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vllm-fixes", description="Inspect and verify the installed vLLM fixes.")
+    parser = argparse.ArgumentParser(
+        prog="vllm-fixes", description="Inspect and verify the installed vLLM fixes."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (
         ("list", "installed fix packages, versions, upstream PRs"),

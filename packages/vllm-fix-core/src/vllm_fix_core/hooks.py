@@ -54,6 +54,7 @@ class _Finder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in _watchers:
             return None
+        spec: importlib.machinery.ModuleSpec | None = None
         for finder in sys.meta_path:
             if finder is self or isinstance(finder, _Finder):
                 continue

@@ -135,7 +135,9 @@ def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool
     except Exception as exc:
         return Decision(fix.id, Rung.REFUSED, f"shape check failed, not applied: {exc!r}", before=before)
     if not apply:
-        return Decision(fix.id, Rung.EVALUATED, _describe_before(before) + f"; shape {shape}", before=before, shape=shape)
+        return Decision(
+            fix.id, Rung.EVALUATED, _describe_before(before) + f"; shape {shape}", before=before, shape=shape
+        )
     # Rung 5: apply, verify, or revert.
     patch = PatchSet(fix.id)
     try:
@@ -147,7 +149,9 @@ def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool
         after = run_probe(fix)
     except Exception as exc:
         _safe_revert(patch)
-        return Decision(fix.id, Rung.FAILED, f"probe after apply raised {exc!r}; reverted", before=before, shape=shape)
+        return Decision(
+            fix.id, Rung.FAILED, f"probe after apply raised {exc!r}; reverted", before=before, shape=shape
+        )
     if after.affected or after.broken_guards:
         _safe_revert(patch)
         return Decision(

@@ -9,6 +9,7 @@ be reverted alone. Nothing rewrites source text.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,9 +105,7 @@ class PatchSet:
         record = _RECORDS.get(key)
         current = _own(owner, attr)
         if record is None:
-            record = _Record(
-                owner=owner, attr=attr, original=current, base=static_lookup(owner, attr)
-            )
+            record = _Record(owner=owner, attr=attr, original=current, base=static_lookup(owner, attr))
             _RECORDS[key] = record
         elif current is not record.installed:
             raise PatchConflict(
@@ -139,10 +138,8 @@ class PatchSet:
 
     def replace(self, owner: Any, attr: str, func: Any) -> None:
         """Replace the body of owner.attr (only for exactly identified shapes)."""
-        try:
+        with contextlib.suppress(AttributeError, TypeError):
             setattr(func, MARKER, self.fix_id)
-        except (AttributeError, TypeError):
-            pass
         self._add(owner, attr, "replace", func)
 
     def on_revert(self, undo: Callable[[], None]) -> None:
@@ -159,8 +156,7 @@ class PatchSet:
                     continue
                 if _own(owner, attr) is not record.installed:
                     raise PatchConflict(
-                        f"cannot revert {attr}: replaced by someone else after fix "
-                        f"{self.fix_id!r} patched it"
+                        f"cannot revert {attr}: replaced by someone else after fix {self.fix_id!r} patched it"
                     )
                 record.layers = [layer for layer in record.layers if layer.fix_id != self.fix_id]
                 _install(record)

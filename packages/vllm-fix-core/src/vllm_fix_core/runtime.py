@@ -86,9 +86,7 @@ def install(fix: Fix, settings: Settings | None = None) -> Decision:
         _store(evaluate(fix, settings, apply=True))
 
     def on_failed(exc: BaseException) -> None:
-        decision = Decision(
-            fix.id, Rung.NOT_APPLICABLE, f"{fix.trigger_module} failed to import: {exc!r}"
-        )
+        decision = Decision(fix.id, Rung.NOT_APPLICABLE, f"{fix.trigger_module} failed to import: {exc!r}")
         _log(fix, decision)
         _store(decision)
 

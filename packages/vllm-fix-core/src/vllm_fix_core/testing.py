@@ -124,7 +124,8 @@ def real_scheduler(
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(
-                ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+                ["layer"],
+                FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32),
             )
         ],
     )
@@ -141,7 +142,12 @@ _hash_ready = False
 
 
 def real_request(
-    request_id: str, num_tokens: int, *, kv_transfer_params: Any = None, block_size: int = 16, first_token: int = 3
+    request_id: str,
+    num_tokens: int,
+    *,
+    kv_transfer_params: Any = None,
+    block_size: int = 16,
+    first_token: int = 3,
 ) -> Any:
     """A real vLLM v1 Request with prompt ids first_token..first_token+num_tokens-1."""
     global _hash_ready

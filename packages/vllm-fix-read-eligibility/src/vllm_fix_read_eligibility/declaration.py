@@ -39,9 +39,7 @@ FIX = Fix(
         "'fixed upstream' and nothing is patched); drop the package once every supported "
         "vLLM release does."
     ),
-    targets=(
-        Target(MODULE, "MoRIIOConnectorScheduler.get_num_new_matched_tokens", ProcessKind.ENGINE_CORE),
-    ),
+    targets=(Target(MODULE, "MoRIIOConnectorScheduler.get_num_new_matched_tokens", ProcessKind.ENGINE_CORE),),
     probe="vllm_fix_read_eligibility.probe:probe",
     recognize="vllm_fix_read_eligibility.patch:recognize",
     apply="vllm_fix_read_eligibility.patch:apply",

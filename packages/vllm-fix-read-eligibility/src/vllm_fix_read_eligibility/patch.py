@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
 from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
 from vllm_fix_core.log import get_logger
-
 from vllm_fix_read_eligibility.rule import malformed_reason, wants_remote_prefill
 
 # Normalized-AST fingerprints (vllm_fix_core.ast_fingerprint) of the known targets.
@@ -60,10 +60,9 @@ def _make_wrapper(read_mode: Any) -> Any:
             getattr(request, "request_id", "?"),
             reason,
         )
-        try:  # vLLM clears the flag once a READ is queued; do the same so nothing is queued.
+        # vLLM clears the flag once a READ is queued; do the same so nothing is queued.
+        with contextlib.suppress(TypeError):
             params["do_remote_prefill"] = False
-        except TypeError:
-            pass
         return 0, False
 
     return wrapper

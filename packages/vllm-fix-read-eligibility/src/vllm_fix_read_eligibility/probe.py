@@ -55,8 +55,16 @@ def probe() -> ProbeReport:
     wrong_bad = {k: v for k, v in bad.items() if v != (0, False)}
     return ProbeReport(
         (
-            Check("plain-request-claims-remote-kv", bool(wrong_plain), f"claimed {wrong_plain}" if wrong_plain else ""),
-            Check("malformed-params-claim-remote-kv", bool(wrong_bad), f"claimed {wrong_bad}" if wrong_bad else ""),
+            Check(
+                "plain-request-claims-remote-kv",
+                bool(wrong_plain),
+                f"claimed {wrong_plain}" if wrong_plain else "",
+            ),
+            Check(
+                "malformed-params-claim-remote-kv",
+                bool(wrong_bad),
+                f"claimed {wrong_bad}" if wrong_bad else "",
+            ),
             # Guard: a real remote prefill must still claim N-1 tokens synchronously.
             Check("remote-prefill-loads", good != (PROMPT - 1, False), f"claimed {good}", guard=True),
         )
