@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import wrapt
-
 from vllm_fix_core.declaration import static_lookup
 
 MARKER = "__vllm_fix__"
@@ -53,6 +51,8 @@ def _own(owner: Any, attr: str) -> Any:
 
 
 def _build(record: _Record) -> Any:
+    import wrapt  # imported on first apply, not at plugin load
+
     obj = record.base
     for layer in record.layers:
         if layer.kind == "replace":
