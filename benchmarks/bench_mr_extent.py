@@ -25,7 +25,7 @@ from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import torch  # noqa: E402
+import torch
 
 PAGE = 4096
 
@@ -71,10 +71,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
+
     from vllm_fix_core import runtime
     from vllm_fix_core.patching import original_of
     from vllm_fix_core.settings import Settings
-
     from vllm_fix_mr_extent import FIX
 
     area, backing, caches, specs = build_layout(args.layers, args.attention_every, args.blocks, args.slots)
@@ -102,10 +102,14 @@ def main() -> None:
 
     med = {name: statistics.median(values) for name, values in times.items()}
     attn = sum(1 for n in caches if n.endswith(".attn"))
-    print(f"vLLM layout: {len(caches)} layers ({len(caches) - attn} KDA, {attn} attention), "
-          f"backing {backing.numel() / 2**20:.0f} MiB, {args.reps} interleaved repetitions")
-    print(f"registration: unpatched {reg_u.numel()} B, patched {reg_p.numel()} B; "
-          f"same base and offsets: {same_base}")
+    print(
+        f"vLLM layout: {len(caches)} layers ({len(caches) - attn} KDA, {attn} attention), "
+        f"backing {backing.numel() / 2**20:.0f} MiB, {args.reps} interleaved repetitions"
+    )
+    print(
+        f"registration: unpatched {reg_u.numel()} B, patched {reg_p.numel()} B; "
+        f"same base and offsets: {same_base}"
+    )
     for name in ("unpatched", "patched"):
         print(f"{name:>9}: median {med[name] * 1e6:8.1f} us  (min {min(times[name]) * 1e6:.1f} us)")
     print(f"patched/unpatched ratio: {med['patched'] / med['unpatched']:.2f}")

@@ -59,7 +59,10 @@ def vllm_config(
         ),
         cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
         model_config=SimpleNamespace(
-            use_mla=False, dtype="float16", get_head_size=lambda: 64, hf_config=SimpleNamespace(model_type="llama")
+            use_mla=False,
+            dtype="float16",
+            get_head_size=lambda: 64,
+            hf_config=SimpleNamespace(model_type="llama"),
         ),
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True),
     )

@@ -67,7 +67,9 @@ def test_layout_accepts_disjoint_blocks() -> None:
         (0, 40000, 1, 1, "handshake_port=0"),
     ],
 )
-def test_layout_rejects_overlap_and_overflow(handshake: int, notify: int, dp: int, tp: int, text: str) -> None:
+def test_layout_rejects_overlap_and_overflow(
+    handshake: int, notify: int, dp: int, tp: int, text: str
+) -> None:
     with pytest.raises(PortLayoutError, match=text):
         check_layout(handshake, notify, dp, tp)
 
@@ -106,7 +108,13 @@ def test_parse_engine_key(key: object, parsed: tuple[int, int, int] | None) -> N
 
 def test_messages_name_port_rank_and_setting() -> None:
     text = bind_error_message("handshake", 6302, 1, 0, "handshake_port", 6301, "Address already in use")
-    for part in ("6302", "dp1/tp0", "handshake_port=6301", "kv_connector_extra_config", "ip_local_reserved_ports"):
+    for part in (
+        "6302",
+        "dp1/tp0",
+        "handshake_port=6301",
+        "kv_connector_extra_config",
+        "ip_local_reserved_ports",
+    ):
         assert part in text
     text = mismatch_message(6303, (6301, 1, 0), (6301, 1, 1), "producer:h:6301:tp1:dp1")
     assert "BOTH" in text and "dp1/tp0" in text and "dp1/tp1" in text

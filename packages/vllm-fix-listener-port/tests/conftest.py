@@ -43,8 +43,8 @@ def _rank(rank: int, n: int, patched: bool, env_port: int | None, barrier: Any, 
             os.environ["VLLM_PORT"] = str(env_port)
         from vllm.distributed import parallel_state
         from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common
-        from vllm_fix_core import runtime
 
+        from vllm_fix_core import runtime
         from vllm_fix_listener_port import patch, plugin, probe
         from vllm_fix_listener_port.emulation import RDMA, IOEngine, IOEngineConfig
 
@@ -158,7 +158,57 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, siocsifflags, struct.pack("16sh22x", b"lo", flags | iff_up))
 
 
-def _netns_leader(n: int, patched: bool, port_range: tuple[int, int], out: Any) -> None:
+def _connect_steals(patched: bool) -> dict[str, Any]:
+    """One rank: from_vllm_config, then an unrelated outgoing connect(), then the native bind."""
+    import vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector  # noqa: F401
+    from vllm.distributed import parallel_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common
+
+    from vllm_fix_core import runtime
+    from vllm_fix_listener_port import patch, plugin, probe
+    from vllm_fix_listener_port.emulation import RDMA, IOEngine, IOEngineConfig
+
+    os.environ.pop("VLLM_PORT", None)
+    parallel_state._TP = SimpleNamespace(rank_in_group=0, world_size=1)
+    if patched:
+        plugin.register()
+        decision = runtime.decisions()["listener-port"]
+        if decision.rung.value != "applied":
+            raise RuntimeError(decision.message)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 50000))  # outside the ephemeral range
+    server.listen(1)
+    client = socket.socket()
+    worker = SimpleNamespace()
+    report: dict[str, Any] = {}
+
+    def init() -> None:
+        worker.moriio_config = moriio_common.MoRIIOConfig.from_vllm_config(probe.vllm_config())
+        worker.local_kv_port = worker.moriio_config.local_kv_port
+        report["allocated"] = worker.local_kv_port
+        client.connect(("127.0.0.1", 50000))  # auto-binds a local port from the same pool
+        report["client_port"] = client.getsockname()[1]
+        config = IOEngineConfig(worker.moriio_config.local_ip, worker.local_kv_port)
+        worker.moriio_engine = IOEngine("r0", config)
+        worker.moriio_engine.create_backend(RDMA)
+
+    try:
+        if patched:
+            patch.worker_init_wrapper(init, worker, (), {})
+        else:
+            init()
+        report.update(error=None, published=worker.moriio_engine.get_engine_desc().port)
+        report["worker_port"] = worker.local_kv_port
+        worker.moriio_engine.close()
+    except OSError as exc:
+        report.update(error=exc.strerror, published=None)
+    finally:
+        client.close()
+        server.close()
+    return report
+
+
+def _netns_leader(scenario: str, n: int, patched: bool, port_range: tuple[int, int], out: Any) -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.unshare(CLONE_NEWNET) != 0:
@@ -172,16 +222,27 @@ def _netns_leader(n: int, patched: bool, port_range: tuple[int, int], out: Any) 
         out.put({"skip": f"cannot set up the private network namespace: {exc}"})
         return
     try:
-        out.put({"result": run_race(n, patched, None)})
+        if scenario == "connect":
+            out.put({"result": _connect_steals(patched)})
+        else:
+            out.put({"result": run_race(n, patched, None)})
     except BaseException as exc:
         out.put({"fatal": repr(exc)})
 
 
-def run_race_in_netns(n: int, patched: bool, port_range: tuple[int, int]) -> dict[str, Any]:
-    """The race with VLLM_PORT unset, inside a private netns with a tiny ephemeral range."""
+def run_in_netns(
+    scenario: str, n: int, patched: bool, port_range: tuple[int, int]
+) -> dict[str, Any]:
+    """VLLM_PORT unset, inside a private netns with a tiny ephemeral range.
+
+    scenario "race": the N-rank race; "connect": one rank whose probed port an unrelated
+    outgoing connect() takes before the native bind.
+    """
+    import vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector  # noqa: F401
+
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    leader = ctx.Process(target=_netns_leader, args=(n, patched, port_range, out))
+    leader = ctx.Process(target=_netns_leader, args=(scenario, n, patched, port_range, out))
     leader.start()
     try:
         report: dict[str, Any] = out.get(timeout=TIMEOUT * 2)
@@ -203,8 +264,8 @@ def race() -> Callable[[int, bool, int | None], dict[str, Any]]:
 
 
 @pytest.fixture
-def netns_race() -> Callable[[int, bool, tuple[int, int]], dict[str, Any]]:
-    return run_race_in_netns
+def netns() -> Callable[[str, int, bool, tuple[int, int]], dict[str, Any]]:
+    return run_in_netns
 
 
 @pytest.fixture

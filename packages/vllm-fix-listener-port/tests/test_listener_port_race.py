@@ -38,13 +38,26 @@ def test_vllm_port_race(n: int, race: Any, race_text: Any, fresh_port_base: int)
     _check_patched(patched, n)
 
 
-def test_ephemeral_race_in_private_netns(netns_race: Any, race_text: Any) -> None:
+def test_ephemeral_race_in_private_netns(netns: Any, race_text: Any) -> None:
     """VLLM_PORT unset: a one-port ephemeral range makes the released probe collide."""
-    unpatched = netns_race(2, False, (40000, 40000))
-    patched = netns_race(2, True, (40000, 40001))
+    unpatched = netns("race", 2, False, (40000, 40000))
+    patched = netns("race", 2, True, (40000, 40001))
     print("\n[netns] " + race_text(unpatched) + "\n[netns] " + race_text(patched))
     assert unpatched["allocated"] == [40000]
     assert unpatched["bind_failures"] == 1
     assert unpatched["errors"] == ["Address already in use"]
     _check_patched(patched, 2)
     assert sorted(patched["published"]) == [40000, 40001]
+
+
+def test_outgoing_connect_takes_the_probed_port_in_private_netns(netns: Any) -> None:
+    """An unrelated connect() between the probe and the native bind takes the probed port."""
+    unpatched = netns("connect", 1, False, (40000, 40000))
+    patched = netns("connect", 1, True, (40000, 40001))
+    print(f"\n[netns connect] unpatched: {unpatched}\n[netns connect] patched: {patched}")
+    assert unpatched["allocated"] == unpatched["client_port"] == 40000
+    assert unpatched["error"] == "Address already in use"
+    assert patched["allocated"] == 0
+    assert patched["error"] is None
+    assert patched["published"] == patched["worker_port"]
+    assert {patched["published"], patched["client_port"]} == {40000, 40001}

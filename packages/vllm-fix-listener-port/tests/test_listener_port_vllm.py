@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import ast
+import contextlib
+import os
 import socket
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
 from vllm_fix_core import PatchSet, Rung, UnknownShape, runtime
 from vllm_fix_core.patching import layers_of
-from vllm_fix_core.testing import applied, vllm_version
-
+from vllm_fix_core.testing import STRICT, applied, vllm_version
 from vllm_fix_listener_port import patch, probe
 from vllm_fix_listener_port.declaration import FIX
 from vllm_fix_listener_port.rule import ListenerPortError
@@ -55,6 +57,30 @@ def test_probe_fixed_after_apply() -> None:
     assert FIX.run_probe().affected
 
 
+@pytest.mark.parametrize("patched", [False, True])
+def test_probe_opens_no_socket_and_changes_no_vllm_state(
+    patched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.distributed import parallel_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common
+
+    def no_socket(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the probe opened a socket")
+
+    with applied(FIX) if patched else contextlib.nullcontext():
+        module_globals = dict(moriio_common.__dict__)
+        tp_group = parallel_state._TP
+        environ = dict(os.environ)
+        monkeypatch.setattr(socket, "socket", no_socket)
+        report = FIX.run_probe()
+        monkeypatch.undo()
+        assert report.affected is (not patched)
+        assert parallel_state._TP is tp_group
+        assert dict(os.environ) == environ
+        assert moriio_common.__dict__.keys() == module_globals.keys()
+        assert all(moriio_common.__dict__[k] is v for k, v in module_globals.items())
+
+
 def test_shape_is_the_expected_one() -> None:
     assert patch.recognize() == f"vllm-{vllm_version()}"
 
@@ -78,6 +104,16 @@ def test_real_from_vllm_config_negative_and_positive(tp_group: None, monkeypatch
     for name in ("local_ip", "notify_port", "handshake_port", "http_port", "tp_rank", "backend"):
         assert getattr(fixed, name) == getattr(first, name)
     assert fixed.local_ping_port == first.local_ping_port  # documented, untouched
+
+
+def test_bad_config_keeps_vllms_error(tp_group: None) -> None:
+    config_cls, _ = _classes()
+    bad = probe.vllm_config(dict(probe.EXTRA_CONFIG, backend="bogus"))
+    with pytest.raises(ValueError, match="Invalid MoRIIO backend") as unpatched:
+        config_cls.from_vllm_config(bad)
+    with applied(FIX), pytest.raises(ValueError, match="Invalid MoRIIO backend") as patched:
+        config_cls.from_vllm_config(bad)
+    assert str(patched.value) == str(unpatched.value)
 
 
 def test_real_worker_init_unpatched_binds_the_probed_port(real_worker: Any) -> None:
@@ -118,16 +154,21 @@ def test_apply_is_idempotent() -> None:
     before = _raw()
     shape = patch.recognize()
     patchset = PatchSet(FIX.id)
-    patch.apply(patchset, shape)
-    installed = _raw()
-    patch.apply(patchset, shape)
-    assert _raw() == installed
-    assert layers_of(config_cls, "from_vllm_config") == [FIX.id]
-    assert layers_of(worker_cls, "__init__") == [FIX.id]
-    with applied(FIX) as decision:  # runtime: applying twice is a no-op
-        assert runtime.apply(FIX) is decision
-    patchset.revert()
+    try:
+        patch.apply(patchset, shape)
+        installed = _raw()
+        patch.apply(patchset, shape)
+        assert _raw() == installed
+        assert layers_of(config_cls, "from_vllm_config") == [FIX.id]
+        assert layers_of(worker_cls, "__init__") == [FIX.id]
+    finally:
+        patchset.revert()
     assert _raw()[0] is before[0] and _raw()[1] is before[1]
+    with applied(FIX) as decision:  # runtime: applying twice is a no-op
+        installed = _raw()
+        assert runtime.apply(FIX) is decision
+        assert _raw() == installed
+        assert layers_of(config_cls, "from_vllm_config") == [FIX.id]
 
 
 def test_revert_restores_exact_objects() -> None:
@@ -155,7 +196,7 @@ def test_composes_with_another_wrapper(order: str, tp_group: None) -> None:
     other = PatchSet("dummy-offset")
 
     def ours() -> Any:
-        decision = runtime.apply(FIX, SimpleNamespace(strict=True, is_disabled=lambda _id: False))
+        decision = runtime.apply(FIX, STRICT)
         assert decision.rung is Rung.APPLIED, decision.message
         return decision
 

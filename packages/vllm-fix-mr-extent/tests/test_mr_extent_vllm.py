@@ -270,3 +270,20 @@ def test_drifted_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     decision = evaluate(FIX, Settings(disabled=frozenset(), strict=False), apply=True)
     assert decision.rung is Rung.REFUSED, decision.message
     assert WORKER.__dict__["_build_shared_kv_mr"] is _build_shared_kv_mr  # nothing patched
+
+
+@pytest.mark.stress
+@settings(max_examples=1000, deadline=None)
+@given(vllm_layouts())
+def test_patched_builder_properties_stress(scenario: probe.Scenario) -> None:
+    test_patched_builder_properties.hypothesis.inner_test(scenario)  # type: ignore[attr-defined]
+
+
+def test_entry_points_point_at_this_fix() -> None:
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("vllm_fix_mr_extent") == "vllm_fix_mr_extent.plugin:register"
+    fixes = {ep.name: ep for ep in entry_points(group="vllm_fixes")}
+    assert fixes["mr-extent"].load() is FIX
+    assert FIX.entry_point == "vllm_fix_mr_extent"

@@ -60,9 +60,7 @@ FIX = Fix(
         Target(ENGINE, "MoRIIOWrapper.register_remote_engine", ProcessKind.WORKER),
         Target(ENGINE, "zmq_ctx", ProcessKind.WORKER),
         Target(ENGINE, "MoRIIOWriter", ProcessKind.WORKER),
-        Target(
-            CONNECTOR, "MoRIIOConnectorScheduler._release_write_prefill_blocks", ProcessKind.ENGINE_CORE
-        ),
+        Target(CONNECTOR, "MoRIIOConnectorScheduler._release_write_prefill_blocks", ProcessKind.ENGINE_CORE),
         Target(CONNECTOR, "MoRIIOConnectorScheduler.update_state_after_alloc", ProcessKind.ENGINE_CORE),
     ),
     probe="vllm_fix_handshake_port.probe:probe",

@@ -33,7 +33,6 @@ from typing import Any
 from vllm_fix_core import PatchSet, UnknownShape
 from vllm_fix_core.log import get_logger
 from vllm_fix_core.patching import original_of
-
 from vllm_fix_handshake_port import watch
 from vllm_fix_handshake_port.rule import (
     bind_error_message,
@@ -58,7 +57,7 @@ _logger = get_logger("handshake-port")
 
 Site = tuple[str, str, int]  # (module, enclosing qualname, number of arguments)
 
-# Every get_port_offset call in the two releases (tools: tests/test_handshake_port_shape.py).
+# Every get_port_offset call in the two releases (pinned by test_recognized_shape_is_this_release).
 KNOWN_SITES: dict[str, frozenset[Site]] = {
     "vllm-0.32.0": frozenset(
         {
@@ -117,19 +116,19 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, d
 
 
 def _offset_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    dp_rank = _arg(args, kwargs, 0, "dp_rank")
-    tp_rank = _arg(args, kwargs, 1, "tp_rank")
     explicit = len(args) > 2 or "tp_size" in kwargs
     size: int | None
     if explicit:
         size = int(_arg(args, kwargs, 2, "tp_size"))
-        if size <= 0:  # vLLM's "unknown remote TP": homogeneous, like _remote_tp_rank
-            size = current_listening_tp_size() or _local_tp_size()
+        if size > 0:
+            return wrapped(*args, **kwargs)  # names the listener's TP size: vLLM's formula
+        # vLLM's "unknown remote TP" (0): homogeneous, as its _remote_tp_rank assumes
+        size = current_listening_tp_size() or _local_tp_size()
     else:
         size = current_listening_tp_size()
     if size is None:
         return wrapped(*args, **kwargs)
-    return port_offset(int(dp_rank), int(tp_rank), int(size))
+    return port_offset(int(_arg(args, kwargs, 0, "dp_rank")), int(_arg(args, kwargs, 1, "tp_rank")), size)
 
 
 def _local_tp_size() -> int | None:
@@ -191,7 +190,9 @@ CONTEXT_SITES: dict[tuple[str, str], Resolver] = {
 }
 
 
-def _context_wrapper(resolver: Resolver, after: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None] | None = None) -> Any:
+def _context_wrapper(
+    resolver: Resolver, after: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None] | None = None
+) -> Any:
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with listening_tp_size(resolver(instance, args, kwargs)):
             result = wrapped(*args, **kwargs)
@@ -244,7 +245,13 @@ def _raise_if_failed(worker: Any) -> None:
     port = getattr(worker, "side_channel_port", None)
     raise ListenerBindError(
         bind_error_message(
-            "handshake", port or 0, dp, tp, "handshake_port", getattr(config, "handshake_port", None), outcome.error
+            "handshake",
+            port or 0,
+            dp,
+            tp,
+            "handshake_port",
+            getattr(config, "handshake_port", None),
+            outcome.error,
         ),
         role="handshake",
         port=port,
@@ -291,7 +298,9 @@ def _async_wait_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwar
         tp = int(getattr(instance, "tp_rank", -1))
         port = getattr(instance, "notify_port", None)
         raise ListenerBindError(
-            bind_error_message("notify", port or 0, dp, tp, "notify_port", _notify_base(worker), outcome.error),
+            bind_error_message(
+                "notify", port or 0, dp, tp, "notify_port", _notify_base(worker), outcome.error
+            ),
             role="notify",
             port=port,
             dp_rank=dp,
@@ -337,7 +346,9 @@ _DIALING: ContextVar[tuple[int, int, int, int] | None] = ContextVar(
 )
 
 
-def _dial_expectation(worker: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int, int, int] | None:
+def _dial_expectation(
+    worker: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[int, int, int, int] | None:
     try:
         base = int(_arg(args, kwargs, 1, "port"))
         size = int(_arg(args, kwargs, 2, "remote_tp_size"))
@@ -350,7 +361,9 @@ def _dial_expectation(worker: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         return None
 
 
-def _handshake_dial_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _handshake_dial_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     token = _DIALING.set(_dial_expectation(instance, args, kwargs))
     try:
         return wrapped(*args, **kwargs)
@@ -358,7 +371,9 @@ def _handshake_dial_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], 
         _DIALING.reset(token)
 
 
-def _register_remote_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _register_remote_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     key = wrapped(*args, **kwargs)
     want = _DIALING.get()
     got = parse_engine_key(key)
@@ -382,7 +397,8 @@ def _calls(module: ModuleType, short: str) -> set[Site]:
             if (
                 isinstance(child, ast.Call)
                 and isinstance(child.func, (ast.Name, ast.Attribute))
-                and (child.func.id if isinstance(child.func, ast.Name) else child.func.attr) == "get_port_offset"
+                and (child.func.id if isinstance(child.func, ast.Name) else child.func.attr)
+                == "get_port_offset"
             ):
                 found.add((short, ".".join(stack), len(child.args) + len(child.keywords)))
             visit(child, stack)
@@ -403,7 +419,9 @@ def check_sites(sites: frozenset[Site]) -> None:
     """Every call that omits the TP size must be a site whose listening TP size we know."""
     unknown = sorted(f"{m}:{q}" for m, q, n in sites if n < 3 and (m, q) not in CONTEXT_SITES)
     if unknown:
-        raise UnknownShape("get_port_offset(dp, tp) without a TP size in unknown places: " + ", ".join(unknown))
+        raise UnknownShape(
+            "get_port_offset(dp, tp) without a TP size in unknown places: " + ", ".join(unknown)
+        )
 
 
 def _resolve(module: ModuleType, qualname: str) -> tuple[Any, str]:
@@ -445,10 +463,20 @@ def recognize() -> str:
         dial = original_of(worker, "_moriio_handshake")
     except AttributeError as exc:
         raise UnknownShape(str(exc)) from exc
-    if not isinstance(listener, staticmethod) or _params(listener)[:3] != ["metadata", "ready_event", "base_port"]:
+    if not isinstance(listener, staticmethod) or _params(listener)[:3] != [
+        "metadata",
+        "ready_event",
+        "base_port",
+    ]:
         raise UnknownShape("MoRIIOConnectorWorker._moriio_handshake_listener changed shape")
     if _params(dial)[:7] != [
-        "self", "host", "port", "remote_tp_size", "expected_engine_id", "remote_dp_rank", "remote_tp_rank",
+        "self",
+        "host",
+        "port",
+        "remote_tp_size",
+        "expected_engine_id",
+        "remote_dp_rank",
+        "remote_tp_rank",
     ]:
         raise UnknownShape("MoRIIOConnectorWorker._moriio_handshake changed signature")
     for owner, attr in (

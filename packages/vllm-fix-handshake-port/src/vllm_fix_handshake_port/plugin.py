@@ -3,7 +3,6 @@
 
 def register() -> None:
     from vllm_fix_core.runtime import install
-
     from vllm_fix_handshake_port.declaration import FIX
 
     install(FIX)

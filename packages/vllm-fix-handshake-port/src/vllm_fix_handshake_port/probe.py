@@ -1,35 +1,50 @@
 """Do this vLLM's MoRIIO listeners share ports, and do its dialers miss them?
 
-Calls the real, currently installed ``get_port_offset`` through each module global the
-MoRIIO call sites reach (moriio_common, moriio_connector, moriio_engine), the way they
-call it: listeners as ``get_port_offset(dp, tp)`` inside the listening engine's TP-size
-context (``rule.listening_tp_size``, which vLLM's own code ignores and the fix honours),
-dialers as ``get_port_offset(dp, tp, remote_tp_size)``. ``recognize`` proves that every
-call without a TP size is such a listener/sender site. No sockets, threads or state.
+Evaluates the real, currently installed ``get_port_offset`` exactly as the two listener
+sites call it (``MoRIIOConfig.from_vllm_config`` for the notify port,
+``MoRIIOConnectorWorker.__init__`` for the handshake port): through the module global
+each one reaches, with the arguments its source passes (read from its AST), inside the
+listening engine's TP-size context (``rule.listening_tp_size``: vLLM's own code ignores
+it, the fix honours it). Dialers are evaluated as ``_moriio_handshake`` calls it, with
+the remote TP size. No sockets, threads or state; ~10 ms (two small ASTs).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from vllm_fix_core import Check, ProbeReport
-
+from vllm_fix_core.fingerprint import function_ast
 from vllm_fix_handshake_port.rule import listening_tp_size
 
 GRIDS = ((2, 2), (4, 8))  # (local DP size, TP size)
-MODULES = ("moriio_common", "moriio_connector", "moriio_engine")
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
+# (module, class, method) of the sites that bind a per-rank port.
+LISTENER_SITES = (
+    ("moriio_common", "MoRIIOConfig", "from_vllm_config"),
+    ("moriio_connector", "MoRIIOConnectorWorker", "__init__"),
+)
 
 
-def _offsets() -> list[tuple[str, Any]]:
-    found = []
-    for short in MODULES:
-        module = importlib.import_module(f"{PACKAGE}.{short}")
-        fn = getattr(module, "get_port_offset", None)
-        if fn is not None:
-            found.append((short, fn))
-    return found
+def _call_arity(func: Any) -> int:
+    """Number of arguments the function passes to get_port_offset (first call)."""
+    for node in ast.walk(function_ast(func)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "get_port_offset"
+        ):
+            return len(node.args) + len(node.keywords)
+    raise LookupError(f"{func!r} no longer calls get_port_offset; cannot evaluate its listener port")
+
+
+def _listener(short: str, cls: str, method: str) -> tuple[Callable[..., int], int]:
+    module = importlib.import_module(f"{PACKAGE}.{short}")
+    raw = getattr(module, cls).__dict__[method]
+    return module.get_port_offset, _call_arity(raw)
 
 
 def probe() -> ProbeReport:
@@ -37,20 +52,25 @@ def probe() -> ProbeReport:
     misses: list[str] = []
     explicit_wrong: list[str] = []
     outside_changed: list[str] = []
-    for short, fn in _offsets():
+    for short, cls, method in LISTENER_SITES:
+        fn, arity = _listener(short, cls, method)
+        site = f"{cls}.{method}"
         for dp_size, tp_size in GRIDS:
             seen: dict[int, tuple[int, int]] = {}
             with listening_tp_size(tp_size):
                 for dp in range(dp_size):
                     for tp in range(tp_size):
-                        listen = fn(dp, tp)
-                        if listen in seen and not collisions:
-                            collisions.append(f"{short}: ranks {seen[listen]} and {(dp, tp)} both bind base+{listen}")
+                        listen = fn(dp, tp) if arity < 3 else fn(dp, tp, tp_size)
+                        if listen in seen and len(collisions) < len(LISTENER_SITES):
+                            collisions.append(
+                                f"{site}: ranks {seen[listen]} and {(dp, tp)} both bind base+{listen}"
+                            )
                         seen.setdefault(listen, (dp, tp))
-                        dial = fn(dp, tp, tp_size)
+                        dial = fn(dp, tp, tp_size)  # as _moriio_handshake / the READ release dial
                         if dial != listen and not misses:
                             misses.append(
-                                f"{short}: dialer for {(dp, tp)} targets base+{dial}, it listens on base+{listen}"
+                                f"{site}: dialer for {(dp, tp)} targets base+{dial}, "
+                                f"it listens on base+{listen}"
                             )
         # Guards: a call that names the TP size keeps vLLM's formula; outside a listening
         # context, calls without one are left exactly as vLLM computes them.
@@ -62,7 +82,12 @@ def probe() -> ProbeReport:
         (
             Check("listener-ports-collide", bool(collisions), "; ".join(collisions)),
             Check("dialer-misses-listener", bool(misses), "; ".join(misses)),
-            Check("explicit-tp-size-offset", bool(explicit_wrong), "; ".join(explicit_wrong)),
-            Check("offset-outside-listener-context", bool(outside_changed), "; ".join(outside_changed)),
+            Check("explicit-tp-size-offset", bool(explicit_wrong), "; ".join(explicit_wrong), guard=True),
+            Check(
+                "offset-outside-listener-context",
+                bool(outside_changed),
+                "; ".join(outside_changed),
+                guard=True,
+            ),
         )
     )

@@ -39,9 +39,7 @@ def port_offset(dp_local: int, tp_rank: int, tp_size: int) -> int:
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     if not 0 <= tp_rank < tp_size:
-        raise ValueError(
-            f"tp_rank {tp_rank} is outside [0, {tp_size}): its port would be another rank's"
-        )
+        raise ValueError(f"tp_rank {tp_rank} is outside [0, {tp_size}): its port would be another rank's")
     if dp_local < 0:
         raise ValueError(f"local DP rank must be >= 0, got {dp_local}")
     return dp_local * tp_size + tp_rank

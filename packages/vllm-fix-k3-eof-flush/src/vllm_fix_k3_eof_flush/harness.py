@@ -15,6 +15,7 @@ Nothing here replaces vLLM code: every parser call is the installed vLLM's.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,9 +50,7 @@ TOOLS: list[dict[str, Any]] = [
 
 def call_block(name: str, args: dict[str, str], index: int = 1) -> str:
     """One complete K3 `call` element with string arguments."""
-    body = "".join(
-        f'<|open|>argument key="{k}" type="string"<|sep|>{v}{ARG_CLOSE}' for k, v in args.items()
-    )
+    body = "".join(f'<|open|>argument key="{k}" type="string"<|sep|>{v}{ARG_CLOSE}' for k, v in args.items())
     return f'<|open|>call tool="{name}" index="{index}"<|sep|>{body}{CALL_CLOSE}'
 
 
@@ -147,7 +146,7 @@ def decode(ids: Sequence[int]) -> str:
 def split_ids(ids: Sequence[int], cuts: Sequence[int]) -> list[list[int]]:
     """Split `ids` at the given token offsets (sorted, deduplicated, in range)."""
     bounds = [0, *sorted({c for c in cuts if 0 < c < len(ids)}), len(ids)]
-    return [list(ids[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a] or [[]]
+    return [list(ids[a:b]) for a, b in itertools.pairwise(bounds) if b > a] or [[]]
 
 
 def chunks_of(pieces: Sequence[str]) -> list[list[int]]:
@@ -203,9 +202,7 @@ def stream(
     if vllm_has_stream_processor():
         from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
 
-        processor = ChatStreamProcessor(
-            request, parser, enable_auto_tools=setup.tool_parser, parser_cls=cls
-        )
+        processor = ChatStreamProcessor(request, parser, enable_auto_tools=setup.tool_parser, parser_cls=cls)
     for i, (text, ids) in enumerate(steps):
         last = finished and i == len(steps) - 1
         reason = finish_reason if last else None

@@ -3,7 +3,6 @@
 
 def register() -> None:
     from vllm_fix_core.runtime import install
-
     from vllm_fix_k3_eof_flush.declaration import FIX
 
     install(FIX)

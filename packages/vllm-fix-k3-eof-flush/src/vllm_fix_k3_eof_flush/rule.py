@@ -9,6 +9,10 @@ no longer begin a marker, without completing any marker or changing anything
 before it; removing the terminator again gives exactly what the helper would
 release if the input had ended. We never re-implement the marker tables.
 
+Where vLLM has a non-streaming helper for the same channel, the tail is also
+confirmed against it: released only if what was streamed plus the tail is
+exactly the non-streaming result.
+
 Safety net (cheap, once per stream): a released tail is always a proper prefix
 of one marker, so it is shorter than ``MAX_TAIL`` characters and never holds a
 complete ``<|sep|>``. Anything else means the helper did something this rule
@@ -33,9 +37,14 @@ def _plausible(tail: str) -> bool:
     return 0 < len(tail) < MAX_TAIL and SEP not in tail
 
 
-def held_tail(ready: Callable[[str], str], text: str) -> str:
+def held_tail(ready: Callable[[str], str], text: str, whole: str | None = None) -> str:
     """What the pure helper `ready(text) -> sendable prefix` holds back at the
-    end of `text` only because it might start a marker ("" if nothing)."""
+    end of `text` only because it might start a marker ("" if nothing).
+
+    `whole`, when given, is what the non-streaming path returns for the same
+    text and channel; the tail is released only if what was sent plus the tail
+    is exactly that (so the flush never adds text non-streaming would drop).
+    """
     sent = ready(text)
     final = ready(text + TERMINATOR)
     if not final.endswith(TERMINATOR):
@@ -44,6 +53,8 @@ def held_tail(ready: Callable[[str], str], text: str) -> str:
     if len(final) <= len(sent) or not final.startswith(sent):
         return ""
     tail = final[len(sent) :]
+    if whole is not None and whole != sent + tail:
+        return ""
     return tail if _plausible(tail) else ""
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 RDMA = "rdma"
 XGMI = "xgmi"
@@ -50,7 +50,7 @@ class IOEngine:
     cannot report an auto-bound port).
     """
 
-    instances: list[IOEngine] = []
+    instances: ClassVar[list[IOEngine]] = []
 
     def __init__(self, key: str, config: IOEngineConfig, report_port: int | None = None) -> None:
         self.key = key

@@ -1,0 +1,49 @@
+"""Fixtures for the k3-eof-flush tests (real vLLM, in-memory K3 tokenizer, no hub)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def k3() -> object:
+    """Import the real K3 parser module (the fix's trigger) once."""
+    import vllm.parser.kimi_k3
+
+    return vllm.parser.kimi_k3
+
+
+@pytest.fixture
+def patched(k3: object) -> Iterator[object]:
+    """The fix applied in strict mode for one test, reverted afterwards."""
+    from vllm_fix_core.testing import applied
+    from vllm_fix_k3_eof_flush import FIX
+
+    with applied(FIX) as decision:
+        yield decision
+
+
+@pytest.fixture
+def unpatched(k3: object) -> None:
+    """Make sure the fix is not applied (a previous test reverted it)."""
+    from vllm_fix_core import runtime
+    from vllm_fix_core.patching import layers_of
+    from vllm_fix_k3_eof_flush import FIX
+
+    runtime.revert(FIX)
+    assert layers_of(k3.KimiK3Parser, "parse_delta") == []  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def patched_module(k3: object) -> Iterator[object]:
+    """The fix applied in strict mode for a whole module (hypothesis tests)."""
+    from vllm_fix_core.testing import applied
+    from vllm_fix_k3_eof_flush import FIX
+
+    with applied(FIX) as decision:
+        yield decision
