@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm_fix_core import revert
-from vllm_fix_testing_mori import FakeStatus, FakeWrapper
 
-from vllm_fix_read_failure_ownership import FIX
+from vllm_fix_testing_mori import FakeStatus, FakeWrapper
 
 NOW = 1000.0
 TIMEOUT = 120.0
@@ -114,16 +112,6 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
         now[0] = value
 
     return set_now
-
-
-@pytest.fixture
-def unpatched() -> Iterator[None]:
-    """Make sure the fix is not applied (and leave it so)."""
-    revert(FIX)
-    from vllm_fix_core.patching import layers_of
-
-    assert layers_of(mc().MoRIIOConnectorWorker, "_pop_done_transfers") == []
-    yield
 
 
 @pytest.fixture(scope="session")

@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from vllm_fix_core import runtime
 from vllm_fix_core.testing import applied
-from vllm_fix_testing_mori import FakeStatus
-
 from vllm_fix_read_failure_ownership import FIX
+from vllm_fix_testing_mori import FakeStatus
 
 TIMEOUT = 120.0
 STEP_SECONDS = [0.0, 1.0, 50.0, 130.0]  # no sum of <= 5 of these lies in (118, 122)
@@ -108,12 +108,16 @@ def check(kit: SimpleNamespace, sc: Scenario) -> list[str]:
             if sc.hybrid and (is_failed or timed_out):
                 fatal.add(r)
                 if gone or released:
-                    violations.append(f"{where}: hybrid {r} failed/timed out but dropped={gone} released={released}")
+                    violations.append(
+                        f"{where}: hybrid {r} failed/timed out but dropped={gone} released={released}"
+                    )
             elif gone:
                 completed = is_done and released == sorted(holders)
                 recovered = not sc.hybrid and blocks[r] <= reported
                 if not (completed or recovered):
-                    violations.append(f"{where}: {r} dropped silently (released={released}, reported={reported})")
+                    violations.append(
+                        f"{where}: {r} dropped silently (released={released}, reported={reported})"
+                    )
             elif is_done:
                 violations.append(f"{where}: completed {r} still held")
         if fatal and not isinstance(raised, transfer_error):

@@ -40,15 +40,19 @@ def test_fail_closed_touches_nothing() -> None:
     assert not (FAIL_CLOSED.release or FAIL_CLOSED.report or FAIL_CLOSED.drop or FAIL_CLOSED.completed)
 
 
+def pending_at(age: float | None, *, has_statuses: bool = True, done: bool = False) -> Outcome:
+    return classify(has_statuses=has_statuses, done=done, failed=False, age=age, timeout=120.0)
+
+
 def test_timeout_is_strict() -> None:
-    assert classify(has_statuses=True, done=False, failed=False, age=120.0, timeout=120.0) is Outcome.PENDING
-    assert classify(has_statuses=True, done=False, failed=False, age=121.0, timeout=120.0) is Outcome.TIMED_OUT
-    assert classify(has_statuses=True, done=False, failed=False, age=None, timeout=0.0) is Outcome.PENDING
+    assert pending_at(120.0) is Outcome.PENDING
+    assert pending_at(121.0) is Outcome.TIMED_OUT
+    assert pending_at(None) is Outcome.PENDING
 
 
 def test_no_statuses_is_never_done() -> None:
-    assert classify(has_statuses=False, done=True, failed=False, age=1.0, timeout=120.0) is Outcome.PENDING
-    assert classify(has_statuses=False, done=True, failed=False, age=200.0, timeout=120.0) is Outcome.TIMED_OUT
+    assert pending_at(1.0, has_statuses=False, done=True) is Outcome.PENDING
+    assert pending_at(200.0, has_statuses=False, done=True) is Outcome.TIMED_OUT
 
 
 @given(
@@ -62,7 +66,11 @@ def test_rule_invariants(
     has_statuses: bool, verdict: str, age: float | None, timeout: float, hybrid: bool
 ) -> None:
     outcome = classify(
-        has_statuses=has_statuses, done=verdict == "done", failed=verdict == "failed", age=age, timeout=timeout
+        has_statuses=has_statuses,
+        done=verdict == "done",
+        failed=verdict == "failed",
+        age=age,
+        timeout=timeout,
     )
     plan = ownership(outcome, hybrid=hybrid)
     # A failure is never completed or waited out; success never depends on age.

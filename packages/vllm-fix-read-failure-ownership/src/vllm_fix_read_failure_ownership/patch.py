@@ -25,7 +25,6 @@ from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
 from vllm_fix_core.fingerprint import function_ast
 from vllm_fix_core.log import get_logger
 from vllm_fix_core.patching import original_of
-
 from vllm_fix_read_failure_ownership.rule import Outcome, classify, ownership
 
 FIX_ID = "read-failure-ownership"
@@ -62,9 +61,7 @@ def fails_closed_for_hybrid(func: Any) -> bool:
     for sub in ast.walk(node):
         if not isinstance(sub, ast.If):
             continue
-        reads_mamba = any(
-            isinstance(n, ast.Attribute) and n.attr == "_has_mamba" for n in ast.walk(sub.test)
-        )
+        reads_mamba = any(isinstance(n, ast.Attribute) and n.attr == "_has_mamba" for n in ast.walk(sub.test))
         if reads_mamba and any(isinstance(n, ast.Raise) for stmt in sub.body for n in ast.walk(stmt)):
             return True
     return False
@@ -155,7 +152,8 @@ def make_pop_done_transfers(release: Release) -> Callable[[Any], set[str]]:
                     age=age,
                     timeout=timeout,
                 )
-                verdicts.append((req_id, statuses, outcome, age))
+                if outcome is not Outcome.PENDING:
+                    verdicts.append((req_id, statuses, outcome, age))
             for req_id, statuses, outcome, age in verdicts:
                 plan = ownership(outcome, hybrid=hybrid)
                 if not plan.acts:

@@ -3,7 +3,6 @@
 
 def register() -> None:
     from vllm_fix_core.runtime import install
-
     from vllm_fix_read_failure_ownership.declaration import FIX
 
     install(FIX)

@@ -38,16 +38,16 @@ class _Status:
     def __init__(self, state: str) -> None:
         self.state = state
 
-    def Succeeded(self) -> bool:  # noqa: N802
+    def Succeeded(self) -> bool:
         return self.state == "done"
 
-    def Failed(self) -> bool:  # noqa: N802
+    def Failed(self) -> bool:
         return self.state == "failed"
 
-    def Message(self) -> str:  # noqa: N802
+    def Message(self) -> str:
         return "probe: injected failure"
 
-    def Code(self) -> int:  # noqa: N802
+    def Code(self) -> int:
         return -1
 
 

@@ -50,7 +50,7 @@ class FakeStatus:
             self._state, self._message, self._code = FAILED, message, code
 
     # The MORI TransferStatus interface (names as the native binding spells them).
-    def Failed(self) -> bool:  # noqa: N802
+    def Failed(self) -> bool:
         with self._lock:
             if self.observations and self._script:
                 self._state = self._script.pop(0)
@@ -59,18 +59,18 @@ class FakeStatus:
             self.observations += 1
             return self._state == FAILED
 
-    def Succeeded(self) -> bool:  # noqa: N802
+    def Succeeded(self) -> bool:
         with self._lock:
             return self._state == SUCCEEDED
 
-    def InProgress(self) -> bool:  # noqa: N802
+    def InProgress(self) -> bool:
         with self._lock:
             return self._state == PENDING
 
-    def Message(self) -> str:  # noqa: N802
+    def Message(self) -> str:
         return self._message
 
-    def Code(self) -> int:  # noqa: N802
+    def Code(self) -> int:
         return self._code
 
     def __repr__(self) -> str:
