@@ -23,6 +23,7 @@ from typing import Any
 
 from vllm_fix_core.patching import original_of
 from vllm_fix_read_failure_ownership import patch
+from vllm_fix_read_failure_ownership.probe import FrozenStatus
 from vllm_fix_testing_mori import FakeWrapper
 
 REQUESTS = 64
@@ -32,27 +33,6 @@ MIXES = {
     "attention-only": (False, 48, 12, 4),
     "hybrid": (True, 52, 12, 0),
 }
-
-
-class Status:
-    """A status as cheap to ask as the native binding's (no lock, unlike FakeStatus)."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, state: str) -> None:
-        self.state = state
-
-    def Succeeded(self) -> bool:
-        return self.state == "done"
-
-    def Failed(self) -> bool:
-        return self.state == "failed"
-
-    def Message(self) -> str:
-        return "bench"
-
-    def Code(self) -> int:
-        return -1
 
 
 def make_worker(hybrid: bool, mix: tuple[int, int, int], ports: Any) -> Any:
@@ -67,9 +47,9 @@ def make_worker(hybrid: bool, mix: tuple[int, int, int], ports: Any) -> Any:
     now = time.monotonic()
     kinds = ["pending"] * mix[0] + ["done"] * mix[1] + ["failed"] * mix[2]
     for i, kind in enumerate(kinds):
-        statuses = [Status("done") for _ in range(STATUSES)]
+        statuses = [FrozenStatus("done") for _ in range(STATUSES)]
         if kind != "done":
-            statuses[i % STATUSES] = Status(kind)
+            statuses[i % STATUSES] = FrozenStatus(kind)
         req = f"req-{i}"
         w._recving_transfers[req] = {f"layer{j}": [s] for j, s in enumerate(statuses)}
         w._recving_transfers_callback_addr[req] = ("10.0.0.1", ports, f"tx-{i}")

@@ -32,8 +32,10 @@ TIMEOUT = 120.0
 FIX_LOGGER = "vllm.fixes.read-failure-ownership"
 
 
-class _Status:
+class FrozenStatus:
     """A MORI transfer status frozen in one state."""
+
+    __slots__ = ("state",)
 
     def __init__(self, state: str) -> None:
         self.state = state
@@ -109,7 +111,7 @@ def run(states: list[str], *, hybrid: bool, age: float) -> Outcome:
     worker.moriio_config = SimpleNamespace(recv_abort_timeout=TIMEOUT)
     worker.moriio_wrapper = wrapper
     worker.transfer_id_to_request_id = {XFER: REQ}
-    worker._recving_transfers = {REQ: {"attn0": [_Status(s) for s in states]}}
+    worker._recving_transfers = {REQ: {"attn0": [FrozenStatus(s) for s in states]}}
     worker._recving_transfers_callback_addr = {REQ: ("127.0.0.1", holder_ports(cls), XFER)}
     worker._recving_transfers_start = {REQ: time.monotonic() - age}
     worker._recving_local_blocks = {REQ: list(BLOCKS)}
