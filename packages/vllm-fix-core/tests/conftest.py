@@ -36,7 +36,12 @@ def probe():
     if MODE["mode"] == "probe-raises":
         raise RuntimeError("probe exploded")
     value = _widget()().compute(1)
-    return ProbeReport((Check("off-by-one", value != 3, f"compute(1)={{value}}"),))
+    negative = _widget()().compute(-1000)
+    guard_broken = negative >= 0 or MODE["mode"] == "guard-broken"
+    return ProbeReport((
+        Check("off-by-one", value != 3, f"compute(1)={{value}}"),
+        Check("negatives-stay-negative", guard_broken, f"compute(-1000)={{negative}}", guard=True),
+    ))
 
 
 def recognize():
@@ -48,6 +53,8 @@ def recognize():
 def apply(patch, shape):
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
+        if MODE["mode"] == "breaks-guard":
+            return abs(result) + 1
         return result if MODE["mode"] == "ineffective" else result + 1
 
     patch.wrap(_widget(), "compute", wrapper)

@@ -59,7 +59,7 @@ def test_upstream_fixed_patches_nothing(demo, fix_lines: Lines) -> None:  # type
     assert fix_lines(demo.fix.id) == [("INFO", d.message)]
 
 
-@pytest.mark.parametrize("mode", ["unknown-shape", "probe-raises"])
+@pytest.mark.parametrize("mode", ["unknown-shape", "probe-raises", "guard-broken"])
 def test_refused_logs_warning_changes_nothing_and_strict_raises(demo, fix_lines: Lines, mode: str) -> None:  # type: ignore[no-untyped-def]
     __import__(demo.module)
     demo.set_mode(mode)
@@ -73,9 +73,10 @@ def test_refused_logs_warning_changes_nothing_and_strict_raises(demo, fix_lines:
     assert demo.raw() is original
 
 
-def test_failed_to_fix_is_reverted_and_strict_raises(demo, fix_lines: Lines) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("mode", ["ineffective", "breaks-guard"])
+def test_failed_to_fix_is_reverted_and_strict_raises(demo, fix_lines: Lines, mode: str) -> None:  # type: ignore[no-untyped-def]
     __import__(demo.module)
-    demo.set_mode("ineffective")
+    demo.set_mode(mode)
     original = demo.raw()
     d = runtime.apply(demo.fix, LAX)
     assert d.rung is Rung.FAILED and demo.raw() is original

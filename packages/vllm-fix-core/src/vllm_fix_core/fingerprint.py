@@ -6,6 +6,8 @@ import ast
 import hashlib
 import inspect
 import textwrap
+import threading
+import time
 from typing import Any
 
 
@@ -19,10 +21,32 @@ def _unwrap(obj: Any) -> Any:
     return obj
 
 
+_PARSE_LOCK = threading.Lock()
+
+
+def parse_source(source: str) -> ast.Module:
+    """ast.parse, serialized and retried.
+
+    CPython 3.11 (gh-106905) keeps the AST constructor's recursion depth in
+    per-interpreter state: two threads building ASTs at once can fail with
+    ``SystemError: AST constructor recursion depth mismatch``. Our own parses take a lock;
+    one racing with a thread we do not own is retried.
+    """
+    for attempt in range(5):
+        try:
+            with _PARSE_LOCK:
+                return ast.parse(source)
+        except SystemError as exc:
+            if "recursion depth mismatch" not in str(exc) or attempt == 4:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def function_ast(obj: Any) -> ast.FunctionDef | ast.AsyncFunctionDef:
     """The AST of a function's source, docstrings stripped."""
     source = textwrap.dedent(inspect.getsource(_unwrap(obj)))
-    node = ast.parse(source).body[0]
+    node = parse_source(source).body[0]
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         raise TypeError(f"{obj!r} is not a function")
     for sub in ast.walk(node):

@@ -113,13 +113,6 @@ def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool
         before = run_probe(fix)
     except Exception as exc:
         return Decision(fix.id, Rung.REFUSED, f"probe could not run on this vLLM: {exc!r}")
-    if before.broken_guards:
-        return Decision(
-            fix.id,
-            Rung.REFUSED,
-            "this vLLM does not behave as the fix assumes (" + before.summary() + "); not applied",
-            before=before,
-        )
     if not before.affected:
         return Decision(
             fix.id,
@@ -127,13 +120,20 @@ def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool
             "this vLLM already behaves correctly (" + before.summary() + "); nothing patched",
             before=before,
         )
-    # Rung 4: only known shapes.
+    # Rung 4: only known shapes, and only a vLLM that behaves as the fix assumes.
     try:
         shape = fix.run_recognize()
     except UnknownShape as exc:
         return Decision(fix.id, Rung.REFUSED, f"unknown target shape, not applied: {exc}", before=before)
     except Exception as exc:
         return Decision(fix.id, Rung.REFUSED, f"shape check failed, not applied: {exc!r}", before=before)
+    if before.broken_guards:
+        return Decision(
+            fix.id,
+            Rung.REFUSED,
+            "this vLLM does not behave as the fix assumes (" + before.summary() + "); not applied",
+            before=before,
+        )
     if not apply:
         return Decision(
             fix.id, Rung.EVALUATED, _describe_before(before) + f"; shape {shape}", before=before, shape=shape

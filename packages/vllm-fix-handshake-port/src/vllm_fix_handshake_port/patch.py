@@ -31,6 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_fix_core import PatchSet, UnknownShape
+from vllm_fix_core.fingerprint import parse_source
 from vllm_fix_core.log import get_logger
 from vllm_fix_core.patching import original_of
 from vllm_fix_handshake_port import watch
@@ -386,7 +387,7 @@ def _register_remote_wrapper(
 
 
 def _calls(module: ModuleType, short: str) -> set[Site]:
-    tree = ast.parse(textwrap.dedent(inspect.getsource(module)))
+    tree = parse_source(textwrap.dedent(inspect.getsource(module)))
     found: set[Site] = set()
 
     def visit(node: ast.AST, stack: list[str]) -> None:
