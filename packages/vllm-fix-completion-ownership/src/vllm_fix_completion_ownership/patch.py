@@ -27,16 +27,15 @@ import dataclasses
 import inspect
 from typing import Any
 
-from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
-from vllm_fix_core.log import get_logger
-from vllm_fix_core.patching import original_of
-
 from vllm_fix_completion_ownership.rule import (
     META_ATTR,
     SchedulerLedger,
     WireError,
     WorkerGate,
 )
+from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
+from vllm_fix_core.log import get_logger
+from vllm_fix_core.patching import original_of
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
 LEDGER_ATTR = "_vllm_fix_co_ledger"
@@ -185,6 +184,10 @@ def _build_meta_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwar
     return metadata
 
 
+_EMPTY: frozenset[str] = frozenset()
+_NO_EDITS: set[str] = set()  # sentinel: no recv ids this step (never mutated)
+
+
 def _view(ids: set[str] | None, loaders: dict[str, int], child: int) -> set[str]:
     if not ids:
         return set()
@@ -192,7 +195,11 @@ def _view(ids: set[str] | None, loaders: dict[str, int], child: int) -> set[str]
 
 
 def _apply_view_edits(
-    final: set[str], view: set[str], returned: set[str] | None, loaders: dict[str, int], child: int
+    final: set[str],
+    view: set[str] | frozenset[str],
+    returned: set[str] | None,
+    loaders: dict[str, int],
+    child: int,
 ) -> None:
     """A child may hold back or add ids it loads; ids it does not load stay as they are."""
     returned = returned or set()
@@ -206,49 +213,66 @@ def _apply_view_edits(
 
 def _update_connector_output(self: Any, connector_output: Any) -> None:
     """Each child sees a private view; R is surfaced once all of O(R) completed."""
-    worker_meta_cls = _vllm["MultiKVConnectorWorkerMetadata"]
-    ledger = ledger_of(self)
+    ledger = self.__dict__.get(LEDGER_ATTR) or ledger_of(self)
     multi_meta = connector_output.kv_connector_worker_meta
-    if multi_meta is not None and not isinstance(multi_meta, worker_meta_cls):
+    if multi_meta is not None and not isinstance(multi_meta, _vllm["MultiKVConnectorWorkerMetadata"]):
         raise AssertionError(f"expected MultiKVConnectorWorkerMetadata, got {type(multi_meta).__name__}")
     incoming = connector_output.finished_sending
     if incoming:
         ledger.note_workers_done(incoming)
+    offers = ledger.offers() if ledger.reported else None
     recv = connector_output.finished_recving
     failed = connector_output.failed_recving
     loaders: dict[str, int] = self._requests_to_connector
-    final_recv = set(recv) if recv else set()
-    final_failed = set(failed) if failed else set()
-    routed = False
+    routed = bool(recv or failed)
+    final_recv: set[str] = set(recv) if recv else set() if routed else _NO_EDITS
+    final_failed: set[str] = set(failed) if failed else set() if routed else _NO_EDITS
+    view_recv: set[str] | frozenset[str]
+    view_failed: set[str] | frozenset[str]
     try:
         for index, child in enumerate(self._connectors):
             if multi_meta is not None:
                 connector_output.kv_connector_worker_meta = multi_meta.metadata[index]
-            connector_output.finished_sending = (ledger.offer(index) or None) if ledger.workers_done else None
-            view_recv = _view(recv, loaders, index)
-            view_failed = _view(failed, loaders, index)
-            connector_output.finished_recving = view_recv or None
-            connector_output.failed_recving = view_failed
+            connector_output.finished_sending = offers.get(index) if offers else None
+            if routed:
+                view_recv = _view(recv, loaders, index)
+                view_failed = _view(failed, loaders, index)
+                connector_output.finished_recving = view_recv or None
+                connector_output.failed_recving = view_failed
+            else:  # nothing received this step: the child sees vLLM's own (empty) fields
+                view_recv = view_failed = _EMPTY
             child.update_connector_output(connector_output)
             returned = connector_output.finished_sending
             if returned:
-                for req_id in returned:
-                    if not ledger.complete(index, req_id):
-                        _logger.debug(
-                            "completion-ownership: child %d (%s) reported %s, which it does not own; ignored",
-                            index,
-                            type(child).__name__,
-                            req_id,
-                        )
-            if view_recv or view_failed or connector_output.finished_recving or connector_output.failed_recving:
-                routed = True
+                ignored = ledger.complete_all(index, returned)
+                if ignored:
+                    _logger.debug(
+                        "completion-ownership: child %d (%s) reported %s, which it does not own; ignored",
+                        index,
+                        type(child).__name__,
+                        sorted(ignored),
+                    )
+            if routed or connector_output.finished_recving or connector_output.failed_recving:
+                # A child added recv ids of its own (or this step has recv ids to route).
+                if final_recv is _NO_EDITS:
+                    final_recv, final_failed = set(), set()
                 _apply_view_edits(final_recv, view_recv, connector_output.finished_recving, loaders, index)
                 _apply_view_edits(final_failed, view_failed, connector_output.failed_recving, loaders, index)
+                if not routed:
+                    routed = True
+                    failed = set()  # the child may have filled vLLM's own set in place
     finally:
         connector_output.kv_connector_worker_meta = multi_meta
         connector_output.finished_recving = (final_recv or None) if routed else recv
         connector_output.failed_recving = final_failed if routed else failed
-    connector_output.finished_sending = ledger.surface() or None
+    freed_by_recv = connector_output.finished_recving
+    if freed_by_recv and ledger.entries:
+        for req_id in freed_by_recv:
+            if req_id in ledger.entries:
+                # vLLM frees a finished request through its recv path: it must not come
+                # back through finished_sending (that would be a second free).
+                ledger.release(req_id)
+    connector_output.finished_sending = (ledger.surface() or None) if ledger.ready else None
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -297,20 +321,16 @@ def _get_transfer_results(self: Any, finished_req_ids: set[str]) -> Any:
     results = _vllm["KVConnectorTransferResults"]()
     recv = results.finished_recving
     failed = results.failed_recving
-    report = gate.report_sending
     for index, child in enumerate(self._connectors):
         child_results = child.get_transfer_results(finished_req_ids)
-        for req_id in child_results.finished_sending:
-            report(index, req_id)
+        if child_results.finished_sending:
+            gate.report_all(index, child_results.finished_sending)
         if child_results.finished_recving:
-            for req_id in child_results.finished_recving:
-                if gate.accept_recv(index, req_id):
-                    recv.add(req_id)
+            recv.update(gate.accepted_recv(index, child_results.finished_recving))
         if child_results.failed_recving:
-            for req_id in child_results.failed_recving:
-                if gate.accept_recv(index, req_id):
-                    failed.add(req_id)
-    results.finished_sending = gate.take_ready()
+            failed.update(gate.accepted_recv(index, child_results.failed_recving))
+    if gate.ready:
+        results.finished_sending = gate.take_ready()
     return results
 
 

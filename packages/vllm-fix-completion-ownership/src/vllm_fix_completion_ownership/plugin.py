@@ -2,8 +2,7 @@
 
 
 def register() -> None:
-    from vllm_fix_core.runtime import install
-
     from vllm_fix_completion_ownership.declaration import FIX
+    from vllm_fix_core.runtime import install
 
     install(FIX)

@@ -62,28 +62,37 @@ def decode_update(
     return update["owners"], update["forced"], update["loaders"]
 
 
+class _Entry:
+    """One finished request whose blocks are held: its owners and who is still pending."""
+
+    __slots__ = ("owners", "remaining", "workers_done")
+
+    def __init__(self, owners: frozenset[int]) -> None:
+        self.owners = owners
+        self.remaining = set(owners)  # owners that have not completed on the scheduler side
+        self.workers_done = False  # every worker reported it (all owners completed there)
+
+
 class SchedulerLedger:
     """Scheduler-side owner sets, completions and the per-step update for workers."""
 
     __slots__ = (
-        "done",
         "dropped_reports",
-        "owners",
+        "entries",
         "partial",
+        "ready",
+        "reported",
         "ship_forced",
         "ship_loaders",
         "ship_owners",
-        "workers_done",
     )
 
     def __init__(self) -> None:
-        # R -> owners, for every finished R whose blocks are held and not yet surfaced.
-        self.owners: dict[str, frozenset[int]] = {}
-        # R -> owners that completed on the scheduler side (their hook let R through,
-        # or their watchdog completed it).
-        self.done: dict[str, set[int]] = {}
-        # R reported by every worker (all owners completed there), not yet surfaced.
-        self.workers_done: set[str] = set()
+        # R -> entry, for every finished R whose blocks are held and not yet surfaced.
+        self.entries: dict[str, _Entry] = {}
+        # The entries every worker reported that some owner still holds back.
+        self.reported: dict[str, _Entry] = {}
+        self.ready: list[str] = []  # to surface at the end of this step
         # R -> children that accepted register_finished_partial_tail (before request_finished).
         self.partial: dict[str, set[int]] = {}
         self.ship_owners: dict[str, tuple[int, ...]] = {}
@@ -97,13 +106,16 @@ class SchedulerLedger:
 
     def record_finished(self, req_id: str, holders: Iterable[int]) -> frozenset[int]:
         """R finished; `holders` are the children that asked to keep its blocks."""
-        owners = frozenset(holders) | frozenset(self.partial.pop(req_id, ()))
+        owners = frozenset(holders)
+        partial = self.partial.pop(req_id, None)
+        if partial:
+            owners |= partial
         self.ship_owners[req_id] = tuple(sorted(owners))
         if owners:
-            self.owners[req_id] = owners
-            self.done[req_id] = set()
+            self.entries[req_id] = _Entry(owners)
         else:
-            self._forget(req_id)
+            self.entries.pop(req_id, None)
+            self.reported.pop(req_id, None)
         return owners
 
     def record_loader(self, req_id: str, child: int) -> None:
@@ -116,55 +128,85 @@ class SchedulerLedger:
 
     # -- one scheduler step -----------------------------------------------------------
     def note_workers_done(self, req_ids: Iterable[str]) -> None:
-        owners = self.owners
+        entries = self.entries
         for req_id in req_ids:
-            if req_id in owners:
-                self.workers_done.add(req_id)
-            else:
+            entry = entries.get(req_id)
+            if entry is None or entry.workers_done:
                 self.dropped_reports += 1
+                continue
+            entry.workers_done = True
+            if entry.remaining:
+                self.reported[req_id] = entry
+            else:  # every owner already completed on the scheduler side (watchdogs)
+                del entries[req_id]
+                self.ready.append(req_id)
+
+    def offers(self) -> dict[int, set[str]]:
+        """Per child, the ids for its private view: reported by every worker, owned by
+        the child and not yet completed by it on the scheduler side."""
+        out: dict[int, set[str]] = {}
+        for req_id, entry in self.reported.items():
+            for child in entry.remaining:
+                view = out.get(child)
+                if view is None:
+                    out[child] = {req_id}
+                else:
+                    view.add(req_id)
+        return out
 
     def offer(self, child: int) -> set[str]:
-        """Ids that go into `child`'s private view: reported by every worker, owned by
-        `child` and not yet completed by it on the scheduler side."""
-        done = self.done
-        owners = self.owners
-        return {r for r in self.workers_done if child in owners[r] and child not in done[r]}
+        return self.offers().get(child, set())
 
     def complete(self, child: int, req_id: str) -> bool:
         """`child` lets R go (scheduler side). False if it does not own R."""
-        owners = self.owners.get(req_id)
-        if owners is None or child not in owners:
+        entry = self.entries.get(req_id)
+        if entry is None or child not in entry.owners:
             return False
-        done = self.done[req_id]
-        if child in done:
+        remaining = entry.remaining
+        if child not in remaining:
             return True
-        done.add(child)
-        if req_id not in self.workers_done:
+        remaining.discard(child)
+        if not entry.workers_done:
             # A scheduler-side completion (e.g. a watchdog): the workers' gates must
             # count it too, or they would wait for a report that never comes.
             self.ship_forced[req_id] = (*self.ship_forced.get(req_id, ()), child)
+        elif not remaining:
+            del self.entries[req_id]
+            del self.reported[req_id]
+            self.ready.append(req_id)
         return True
+
+    def release(self, req_id: str) -> None:
+        """vLLM frees R through its finished_recving path (a finished request whose load
+        completed): stop tracking R, and let the workers' gates settle it too."""
+        entry = self.entries.pop(req_id, None)
+        if entry is None:
+            return
+        self.reported.pop(req_id, None)
+        if entry.remaining:
+            self.ship_forced[req_id] = (*self.ship_forced.get(req_id, ()), *sorted(entry.remaining))
+        if req_id in self.ready:
+            self.ready.remove(req_id)
+
+    def complete_all(self, child: int, req_ids: Iterable[str]) -> list[str]:
+        """`complete` for each id; returns the ids `child` does not own."""
+        complete = self.complete
+        return [r for r in req_ids if not complete(child, r)]
 
     def surface(self) -> set[str]:
         """Requests to free now: every worker reported them, every owner completed."""
-        if not self.workers_done:
+        if not self.ready:
             return set()
-        ready = {r for r in self.workers_done if self.done[r] >= self.owners[r]}
-        for req_id in ready:
-            self._forget(req_id)
+        ready = set(self.ready)
+        self.ready = []
         return ready
-
-    def _forget(self, req_id: str) -> None:
-        self.owners.pop(req_id, None)
-        self.done.pop(req_id, None)
-        self.workers_done.discard(req_id)
 
     def size(self) -> int:
         """Entries held (bounded-growth checks)."""
         return (
-            len(self.owners)
-            + len(self.done)
-            + len(self.workers_done)
+            len(self.entries)
+            + len(self.reported)
+            + len(self.ready)
             + len(self.partial)
             + len(self.ship_owners)
             + len(self.ship_forced)
@@ -204,8 +246,10 @@ class WorkerGate:
 
     def _learn_owners(self, req_id: str, owner_set: tuple[int, ...]) -> None:
         self.loaders.pop(req_id, None)
-        if req_id in self.pending or req_id in self.retired:
-            return  # already known (a repeated update): nothing new
+        if req_id in self.pending:
+            return  # the scheduler ships an owner set once per finish: nothing new
+        # A retired id finishing again is a new lifetime of a reused request id.
+        self.retired.pop(req_id, None)
         early = self.early.pop(req_id, None)
         if not owner_set:
             self._retire(req_id, report=False)  # stray early reports are discarded
@@ -235,6 +279,21 @@ class WorkerGate:
         else:
             entry[1].add(child)
 
+    def report_all(self, child: int, req_ids: Iterable[str]) -> None:
+        pending = self.pending
+        for req_id in req_ids:
+            remaining = pending.get(req_id)
+            if remaining is not None and len(remaining) > 1:
+                remaining.discard(child)  # fast path: another owner still pending
+            else:
+                self.report_sending(child, req_id)
+
+    def accepted_recv(self, child: int, req_ids: Iterable[str]) -> Iterable[str]:
+        loaders = self.loaders
+        if not loaders:
+            return req_ids
+        return [r for r in req_ids if loaders.get(r, child) == child]
+
     def accept_recv(self, child: int, req_id: str) -> bool:
         loader = self.loaders.get(req_id)
         return loader is None or loader == child
@@ -253,14 +312,14 @@ class WorkerGate:
         horizon = self.step - RETIRED_WINDOW
         retired = self.retired
         while retired:
-            req_id, step = next(iter(retired.items()))
+            _, step = next(iter(retired.items()))
             if step > horizon:
                 break
             retired.popitem(last=False)
         horizon = self.step - EARLY_WINDOW
         early = self.early
         while early:
-            req_id, (step, _) = next(iter(early.items()))
+            _, (step, _) = next(iter(early.items()))
             if step > horizon:
                 break
             early.popitem(last=False)
