@@ -191,9 +191,10 @@ def _src_dirs() -> list[str]:
 
 @nox.session(python=PYTHON, tags=["ci", "quality"])
 def lint(session: nox.Session) -> None:
-    """ruff over the whole repository."""
+    """ruff (lint and format check) over the whole repository."""
     session.install("ruff")
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
 
 
 @nox.session(python=PYTHON, tags=["ci", "quality"])

@@ -112,8 +112,7 @@ def run_race(n: int, patched: bool, env_port: int | None) -> dict[str, Any]:
     barrier = ctx.Barrier(n)
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_rank, args=(r, n, patched, env_port, barrier, out), daemon=True)
-        for r in range(n)
+        ctx.Process(target=_rank, args=(r, n, patched, env_port, barrier, out), daemon=True) for r in range(n)
     ]
     for proc in procs:
         proc.start()
@@ -230,9 +229,7 @@ def _netns_leader(scenario: str, n: int, patched: bool, port_range: tuple[int, i
         out.put({"fatal": repr(exc)})
 
 
-def run_in_netns(
-    scenario: str, n: int, patched: bool, port_range: tuple[int, int]
-) -> dict[str, Any]:
+def run_in_netns(scenario: str, n: int, patched: bool, port_range: tuple[int, int]) -> dict[str, Any]:
     """VLLM_PORT unset, inside a private netns with a tiny ephemeral range.
 
     scenario "race": the N-rank race; "connect": one rank whose probed port an unrelated

@@ -284,8 +284,11 @@ def _bind_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: di
     update = getattr(metadata, "__dict__", {}).get(META_ATTR)
     state = instance.__dict__
     if update is None:
-        _fallback(instance, "the scheduler process sent MultiKVConnectorMetadata without owner sets "
-                  "(vllm-fix-completion-ownership is not applied there)")
+        _fallback(
+            instance,
+            "the scheduler process sent MultiKVConnectorMetadata without owner sets "
+            "(vllm-fix-completion-ownership is not applied there)",
+        )
         return outcome
     gate = state.get(GATE_ATTR)
     if gate is None:

@@ -34,9 +34,7 @@ def config_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
     return let_native_engine_choose(wrapped(*args, **kwargs))
 
 
-def worker_init_wrapper(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
+def worker_init_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """MoRIIOConnectorWorker.__init__: once the listener is up, adopt the port it bound."""
     wrapped(*args, **kwargs)
     if instance is None:

@@ -92,9 +92,7 @@ def private_body(tp_rank: int, tp_size: int, scan: Callable[[], int]) -> Callabl
     scope["get_tensor_model_parallel_rank"] = lambda: tp_rank
     scope["get_tensor_model_parallel_world_size"] = lambda: tp_size
     scope["get_open_port"] = scan
-    clone = types.FunctionType(
-        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
-    )
+    clone = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
     clone.__kwdefaults__ = func.__kwdefaults__
     return functools.partial(clone, common.MoRIIOConfig)
 
@@ -176,8 +174,9 @@ def probe() -> ProbeReport:
             Check(
                 "worker-reads-native-port",
                 config_fixed and not worker_fixed,
-                "local_kv_port=0 but MoRIIOConnectorWorker.__init__ does not read the bound "
-                "port back" if config_fixed and not worker_fixed else "",
+                "local_kv_port=0 but MoRIIOConnectorWorker.__init__ does not read the bound port back"
+                if config_fixed and not worker_fixed
+                else "",
                 guard=True,
             ),
         )
