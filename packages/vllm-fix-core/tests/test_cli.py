@@ -67,7 +67,8 @@ def test_status_reports_rung_and_vllm_plugins(fake_dist: dict[str, str], demo: A
     out = cli(fake_dist, "status", "--json")
     data = json.loads(out.stdout)
     row = only_demo(data["fixes"], demo)
-    assert row["rung"] == "evaluated" and row["checks"] == {"off-by-one": True}
+    assert row["rung"] == "evaluated"
+    assert row["checks"] == {"off-by-one": True, "negatives-stay-negative": False}
     assert row["plugin_loaded_by_vllm"] is True and data["warnings"] == []
     env = {**fake_dist, "VLLM_PLUGINS": "some_other_plugin", "VLLM_FIXES_DISABLE": demo.fix.id}
     data = json.loads(cli(env, "status", "--json").stdout)
