@@ -72,6 +72,7 @@ def _install(session: nox.Session, target: str, pkgs: list[workspace.Package]) -
         "pip",
         "install",
         "--quiet",
+        "--compile-bytecode",
         "--python",
         _python(session),
         "--no-deps",
@@ -164,7 +165,7 @@ def _stress(target: str) -> None:
         _pytest(session, target, paths, "-m", "stress", "-s")
 
     session_fn.__doc__ = f"long randomized and race runs (pytest -m stress) on vLLM {target}"
-    nox.session(name=f"stress-{target}", python=PYTHON, tags=["stress", f"vllm-{target}"])(session_fn)
+    nox.session(name=f"stress-{target}", python=PYTHON, tags=["stress", "ci", f"vllm-{target}"])(session_fn)
 
 
 def _verify(target: str) -> None:
