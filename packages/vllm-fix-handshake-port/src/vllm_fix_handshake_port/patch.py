@@ -59,29 +59,20 @@ _logger = get_logger("handshake-port")
 Site = tuple[str, str, int]  # (module, enclosing qualname, number of arguments)
 
 # Every get_port_offset call in the two releases (pinned by test_recognized_shape_is_this_release).
+_SHARED_SITES: frozenset[Site] = frozenset(
+    {
+        ("moriio_common", "MoRIIOConfig.from_vllm_config", 2),
+        ("moriio_connector", "MoRIIOConnectorScheduler._release_write_prefill_blocks", 2),
+        ("moriio_connector", "MoRIIOConnectorScheduler.update_state_after_alloc", 2),
+        ("moriio_connector", "MoRIIOConnectorWorker.__init__", 2),
+        ("moriio_connector", "MoRIIOConnectorWorker._moriio_handshake", 3),
+        ("moriio_connector", "MoRIIOConnectorWorker._read_blocks", 3),
+    }
+)
+# The releases differ only in where the WRITE completion notify computes its port.
 KNOWN_SITES: dict[str, frozenset[Site]] = {
-    "vllm-0.32.0": frozenset(
-        {
-            ("moriio_common", "MoRIIOConfig.from_vllm_config", 2),
-            ("moriio_connector", "MoRIIOConnectorScheduler._release_write_prefill_blocks", 2),
-            ("moriio_connector", "MoRIIOConnectorScheduler.update_state_after_alloc", 2),
-            ("moriio_connector", "MoRIIOConnectorWorker.__init__", 2),
-            ("moriio_connector", "MoRIIOConnectorWorker._moriio_handshake", 3),
-            ("moriio_connector", "MoRIIOConnectorWorker._read_blocks", 3),
-            ("moriio_engine", "MoRIIOWriter._execute_write_task", 2),
-        }
-    ),
-    "vllm-0.33.0": frozenset(
-        {
-            ("moriio_common", "MoRIIOConfig.from_vllm_config", 2),
-            ("moriio_connector", "MoRIIOConnectorScheduler._release_write_prefill_blocks", 2),
-            ("moriio_connector", "MoRIIOConnectorScheduler.update_state_after_alloc", 2),
-            ("moriio_connector", "MoRIIOConnectorWorker.__init__", 2),
-            ("moriio_connector", "MoRIIOConnectorWorker._moriio_handshake", 3),
-            ("moriio_connector", "MoRIIOConnectorWorker._read_blocks", 3),
-            ("moriio_engine", "MoRIIOWriter._resolve_notify_endpoint", 2),
-        }
-    ),
+    "vllm-0.32.0": _SHARED_SITES | {("moriio_engine", "MoRIIOWriter._execute_write_task", 2)},
+    "vllm-0.33.0": _SHARED_SITES | {("moriio_engine", "MoRIIOWriter._resolve_notify_endpoint", 2)},
 }
 
 
