@@ -161,6 +161,12 @@ OUTCOME_UPSTREAM = "fixed upstream"
 OUTCOME_REFUSED = "refused"
 OUTCOME_NA = "not applicable"
 OUTCOME_FAILED = "FAILED TO FIX"
+_OUTCOME_BY_RUNG = {
+    Rung.APPLIED: OUTCOME_FIXED,
+    Rung.UPSTREAM_FIXED: OUTCOME_UPSTREAM,
+    Rung.NOT_APPLICABLE: OUTCOME_NA,
+    Rung.FAILED: OUTCOME_FAILED,
+}
 
 
 def verify_fix(fix: Fix) -> dict[str, Any]:
@@ -168,40 +174,23 @@ def verify_fix(fix: Fix) -> dict[str, Any]:
     settings = Settings(disabled=frozenset(), strict=False)
     runtime.revert(fix)
     decision = evaluate(fix, settings, apply=True, honour_disable=False)
+    overall = _OUTCOME_BY_RUNG.get(decision.rung, OUTCOME_REFUSED)
     checks: list[dict[str, Any]] = []
-    before = decision.before
-    after = decision.after
-    if before is not None:
-        for check in before.checks:
-            after_check = next((c for c in after.checks if c.name == check.name), None) if after else None
-            if check.guard:
-                if check.affected:
-                    outcome = "guard broken on this vLLM"
-                elif after_check is not None and after_check.affected:
-                    outcome = "GUARD BROKEN BY FIX"
-                else:
-                    outcome = "guard kept"
-            elif not check.affected:
-                outcome = OUTCOME_UPSTREAM
-            elif decision.rung is Rung.APPLIED:
-                outcome = OUTCOME_FIXED
-            elif decision.rung is Rung.FAILED:
-                outcome = OUTCOME_FAILED
+    before, after = decision.before, decision.after
+    for check in before.checks if before is not None else ():
+        after_check = next((c for c in after.checks if c.name == check.name), None) if after else None
+        if check.guard:
+            if check.affected:
+                outcome = "guard broken on this vLLM"
+            elif after_check is not None and after_check.affected:
+                outcome = "GUARD BROKEN BY FIX"
             else:
-                outcome = OUTCOME_REFUSED
-            checks.append(
-                {"check": check.name, "guard": check.guard, "outcome": outcome, "detail": check.detail}
-            )
-    if decision.rung is Rung.APPLIED:
-        overall = OUTCOME_FIXED
-    elif decision.rung is Rung.UPSTREAM_FIXED:
-        overall = OUTCOME_UPSTREAM
-    elif decision.rung is Rung.NOT_APPLICABLE:
-        overall = OUTCOME_NA
-    elif decision.rung is Rung.FAILED:
-        overall = OUTCOME_FAILED
-    else:
-        overall = OUTCOME_REFUSED
+                outcome = "guard kept"
+        else:
+            # A symptom this vLLM does not show is fixed upstream; one it shows shares the
+            # fix's outcome (fixed, failed to fix, or refused).
+            outcome = overall if check.affected else OUTCOME_UPSTREAM
+        checks.append({"check": check.name, "guard": check.guard, "outcome": outcome, "detail": check.detail})
     if decision.patch is not None:
         decision.patch.revert()
     return {
