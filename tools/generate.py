@@ -57,6 +57,8 @@ def card(fix: Fix) -> str:
     ]
     if fix.spec:
         rows.append(("Spec", fix.spec))
+    if fix.notes:
+        rows.append(("Notes", "<br>".join(fix.notes)))
     body = "\n".join(f"| **{k}** | {v} |" for k, v in rows)
     return f"{BEGIN}\n{GENERATED}\n\n**{fix.title}** (fix id `{fix.id}`)\n\n| | |\n|---|---|\n{body}\n{END}"
 
