@@ -62,7 +62,7 @@ def workload(world: object, steps: int, seed: int) -> None:
 @contextmanager
 def patched() -> Iterator[None]:
     from vllm_fix_completion_ownership import FIX
-    from vllm_fix_core.testing import applied
+    from vllm_fix_testing import applied
 
     with applied(FIX):
         yield
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    from vllm_fix_core.testing import vllm_version
+    from vllm_fix_testing import vllm_version
 
     one_run(False, 100, 0)  # warm-up, both sides
     one_run(True, 100, 0)

@@ -25,9 +25,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_fix_core import runtime
-from vllm_fix_core.testing import STRICT
 from vllm_fix_handshake_port import FIX
 from vllm_fix_handshake_port.rule import listening_tp_size
+from vllm_fix_testing import STRICT
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 

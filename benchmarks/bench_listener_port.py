@@ -34,9 +34,9 @@ def main() -> None:
 
     from vllm_fix_core import Rung, runtime
     from vllm_fix_core.patching import original_of
-    from vllm_fix_core.testing import STRICT
     from vllm_fix_listener_port import probe
     from vllm_fix_listener_port.declaration import FIX
+    from vllm_fix_testing import STRICT
 
     del moriio_connector  # imported for the trigger
     parallel_state._TP = SimpleNamespace(rank_in_group=0, world_size=1)

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import interleaved
 
 from vllm_fix_core import runtime
-from vllm_fix_core.testing import MORIIO_EXTRA_CONFIG, STRICT, real_request, real_scheduler, tiny_model_dir
 from vllm_fix_read_eligibility import FIX
 from vllm_fix_read_eligibility.probe import consumer
+from vllm_fix_testing import MORIIO_EXTRA_CONFIG, STRICT, real_request, real_scheduler, tiny_model_dir
 
 
 def mix() -> list[Any]:

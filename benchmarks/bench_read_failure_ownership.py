@@ -6,7 +6,7 @@ interleaved batch by batch. A state is a READ consumer tracking 64 requests of 4
 statuses each (32 attention layers + 4 KDA layers x conv/SSM), with a realistic mix
 per call: most still in flight, some done, a few failed (attention-only: failures are
 recovered; hybrid: none, since a hybrid failure ends the step). Only the MORI engine is
-stood in for (lock-free statuses, vllm_fix_testing_mori's wrapper).
+stood in for (lock-free statuses, vllm_fix_testing's wrapper).
 Prints the figures; asserts nothing about time.
 
 Usage: python benchmarks/bench_read_failure_ownership.py [--batches 60] [--calls 10]
@@ -24,7 +24,7 @@ from typing import Any
 from vllm_fix_core.patching import original_of
 from vllm_fix_read_failure_ownership import patch
 from vllm_fix_read_failure_ownership.probe import FrozenStatus
-from vllm_fix_testing_mori import FakeWrapper
+from vllm_fix_testing import FakeWrapper
 
 REQUESTS = 64
 STATUSES = 40
@@ -78,7 +78,7 @@ def main() -> None:
 
     import logging
 
-    from vllm_fix_core.testing import vllm_version
+    from vllm_fix_testing import vllm_version
 
     mc = patch._mc()
     logging.getLogger(mc.logger.name).setLevel(logging.CRITICAL)  # failures log errors

@@ -11,7 +11,7 @@ import pytest
 from vllm_fix_core import Rung, runtime
 from vllm_fix_core.declaration import static_lookup
 from vllm_fix_core.registry import Installed
-from vllm_fix_core.testing import STRICT
+from vllm_fix_testing import STRICT
 
 
 def originals(items: list[Installed]) -> dict[tuple[str, str], Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from vllm_fix_core.registry import Installed
-from vllm_fix_core.testing import vllm_version
+from vllm_fix_testing import vllm_version
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(

@@ -11,7 +11,7 @@ import pytest
 from vllm_fix_completion_ownership.harness import soak
 from vllm_fix_core import Rung, runtime
 from vllm_fix_core.registry import Installed
-from vllm_fix_core.testing import STRICT
+from vllm_fix_testing import STRICT
 
 
 def run_soak_with_all_fixes(fixes: list[Installed], requests: int, seed: int, workers: int) -> None:

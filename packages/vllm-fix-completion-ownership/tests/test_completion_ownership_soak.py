@@ -11,7 +11,7 @@ import pytest
 from vllm_fix_completion_ownership import FIX
 from vllm_fix_completion_ownership.harness import Figures, World, soak
 from vllm_fix_completion_ownership.rule import RETIRED_WINDOW
-from vllm_fix_core.testing import applied, vllm_version
+from vllm_fix_testing import applied, vllm_version
 
 DEFAULT_REQUESTS = 10_000
 

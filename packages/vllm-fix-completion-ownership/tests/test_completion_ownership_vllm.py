@@ -28,7 +28,7 @@ from vllm_fix_completion_ownership.probe import ProbeChild, multi_connector
 from vllm_fix_completion_ownership.rule import META_ATTR
 from vllm_fix_core import UnknownShape
 from vllm_fix_core.patching import layers_of
-from vllm_fix_core.testing import vllm_version
+from vllm_fix_testing import vllm_version
 
 TARGET_NAMES = [t.qualname.split(".")[-1] for t in FIX.targets]
 
@@ -286,7 +286,7 @@ def test_patched_worker_with_unpatched_scheduler_falls_back(patched: object) -> 
 
 
 def test_unpatched_worker_reads_patched_metadata() -> None:
-    from vllm_fix_core.testing import applied
+    from vllm_fix_testing import applied
 
     with applied(FIX):
         sched = multi_connector([ProbeChild({"r"}), ProbeChild({"r"})])
@@ -342,7 +342,7 @@ def test_unknown_metadata_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
 def test_idempotent_and_exact_revert() -> None:
     from vllm_fix_core import runtime
     from vllm_fix_core.patching import PatchSet
-    from vllm_fix_core.testing import STRICT
+    from vllm_fix_testing import STRICT
 
     cls = mc_module().MultiConnector
     originals = {name: cls.__dict__[name] for name in TARGET_NAMES}

@@ -18,10 +18,10 @@ from vllm_fix_core import PatchSet, Rung, UnknownShape, runtime
 from vllm_fix_core.ladder import evaluate
 from vllm_fix_core.patching import layers_of
 from vllm_fix_core.settings import Settings
-from vllm_fix_core.testing import STRICT, applied
 from vllm_fix_handshake_port import FIX
 from vllm_fix_handshake_port.patch import KNOWN_SITES, ListenerBindError, check_sites, recognize
 from vllm_fix_handshake_port.rule import PortLayoutError
+from vllm_fix_testing import STRICT, applied
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 

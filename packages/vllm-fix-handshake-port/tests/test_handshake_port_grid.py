@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from vllm_fix_core.patching import layers_of
-from vllm_fix_core.testing import applied, vllm_version
 from vllm_fix_handshake_port import FIX
 from vllm_fix_handshake_port.patch import KNOWN_SITES, PeerConventionMismatch, call_sites, recognize
+from vllm_fix_testing import applied, vllm_version
 
 GRIDS = [(2, 2), (2, 4), (3, 2), (4, 8), (1, 8), (4, 1)]
 

@@ -21,8 +21,8 @@ def k3() -> object:
 @pytest.fixture
 def patched(k3: object) -> Iterator[object]:
     """The fix applied in strict mode for one test, reverted afterwards."""
-    from vllm_fix_core.testing import applied
     from vllm_fix_k3_eof_flush import FIX
+    from vllm_fix_testing import applied
 
     with applied(FIX) as decision:
         yield decision
@@ -42,8 +42,8 @@ def unpatched(k3: object) -> None:
 @pytest.fixture(scope="module")
 def patched_module(k3: object) -> Iterator[object]:
     """The fix applied in strict mode for a whole module (hypothesis tests)."""
-    from vllm_fix_core.testing import applied
     from vllm_fix_k3_eof_flush import FIX
+    from vllm_fix_testing import applied
 
     with applied(FIX) as decision:
         yield decision

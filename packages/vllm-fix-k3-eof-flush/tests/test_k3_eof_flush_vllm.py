@@ -14,7 +14,6 @@ from vllm_fix_core import Rung, UnknownShape, runtime
 from vllm_fix_core.ladder import evaluate
 from vllm_fix_core.patching import PatchSet, layers_of, original_of
 from vllm_fix_core.settings import Settings
-from vllm_fix_core.testing import vllm_version
 from vllm_fix_k3_eof_flush import FIX
 from vllm_fix_k3_eof_flush import patch as fix_patch
 from vllm_fix_k3_eof_flush.harness import (
@@ -30,6 +29,7 @@ from vllm_fix_k3_eof_flush.harness import (
     stream,
     vllm_has_stream_processor,
 )
+from vllm_fix_testing import vllm_version
 
 PLAIN = Setup()
 TOOL_PARSER = Setup(tool_parser=True)  # server with --enable-auto-tool-choice --tool-call-parser kimi_k3

@@ -13,10 +13,10 @@ import pytest
 
 from vllm_fix_core import PatchSet, Rung, UnknownShape, runtime
 from vllm_fix_core.patching import layers_of
-from vllm_fix_core.testing import STRICT, applied, vllm_version
 from vllm_fix_listener_port import patch, probe
 from vllm_fix_listener_port.declaration import FIX
 from vllm_fix_listener_port.rule import ListenerPortError
+from vllm_fix_testing import STRICT, applied, vllm_version
 
 # Spec §1.1: both releases carry the defect.
 AFFECTED = {"0.32.0": True, "0.33.0": True}

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from vllm_fix_core.testing import applied
 from vllm_fix_mr_extent import FIX, probe
+from vllm_fix_testing import applied
 
 pytestmark = pytest.mark.rdma
 

@@ -20,9 +20,9 @@ from vllm_fix_core import PatchSet, Rung, UnknownShape, ast_fingerprint, runtime
 from vllm_fix_core.ladder import evaluate
 from vllm_fix_core.patching import original_of
 from vllm_fix_core.settings import Settings
-from vllm_fix_core.testing import applied, vllm_version
 from vllm_fix_mr_extent import FIX, patch, probe
 from vllm_fix_mr_extent.rule import PAGE_SIZE, SharedMRError, align_down, registration_problems
+from vllm_fix_testing import applied, vllm_version
 
 WORKER = mc.MoRIIOConnectorWorker
 ORIGINAL = original_of(WORKER, "_build_shared_kv_mr")

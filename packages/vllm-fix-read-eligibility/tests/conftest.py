@@ -20,7 +20,7 @@ def _unpatched() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_fix_core.testing import tiny_model_dir
+    from vllm_fix_testing import tiny_model_dir
 
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-opt"))
 
@@ -28,7 +28,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def read_consumer_scheduler(tiny_model: Path) -> Any:
     """A real vLLM Scheduler whose connector is a real MoRIIO READ consumer."""
-    from vllm_fix_core.testing import MORIIO_EXTRA_CONFIG, real_scheduler
+    from vllm_fix_testing import MORIIO_EXTRA_CONFIG, real_scheduler
 
     return real_scheduler(
         tiny_model,

@@ -9,10 +9,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_fix_core.testing import applied
 from vllm_fix_read_eligibility import FIX
 from vllm_fix_read_eligibility.probe import consumer
 from vllm_fix_read_eligibility.rule import malformed_reason
+from vllm_fix_testing import applied
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 50), st.text(max_size=4), st.floats(allow_nan=False)

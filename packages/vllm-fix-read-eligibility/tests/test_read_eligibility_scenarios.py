@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from vllm_fix_core.testing import applied, real_request, vllm_version
 from vllm_fix_read_eligibility import FIX
 from vllm_fix_read_eligibility.probe import MALFORMED, PLAIN, WELL_FORMED, consumer, matched
+from vllm_fix_testing import applied, real_request, vllm_version
 
 PROMPT = 32
 V032 = vllm_version() < Version("0.33.0")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fix_testing_mori import FakeStatus, FakeWrapper
+from vllm_fix_testing import FakeStatus, FakeWrapper
 
 NOW = 1000.0
 TIMEOUT = 120.0

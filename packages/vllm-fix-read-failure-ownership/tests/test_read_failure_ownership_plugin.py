@@ -47,7 +47,7 @@ def test_vllm_plugin_loader_applies_the_fix_when_moriio_is_imported() -> None:
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT") :])
-    from vllm_fix_core.testing import vllm_version
+    from vllm_fix_testing import vllm_version
 
     assert result == {
         "before": "pending",

@@ -27,9 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_fix_core import runtime
-from vllm_fix_core.testing import applied
 from vllm_fix_read_failure_ownership import FIX
-from vllm_fix_testing_mori import FakeStatus
+from vllm_fix_testing import FakeStatus, applied
 
 TIMEOUT = 120.0
 STEP_SECONDS = [0.0, 1.0, 50.0, 130.0]  # no sum of <= 5 of these lies in (118, 122)

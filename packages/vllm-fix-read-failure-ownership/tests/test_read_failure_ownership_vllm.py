@@ -2,7 +2,7 @@
 
 Every scenario runs vLLM's real ``MoRIIOConnectorWorker.get_finished`` (READ consumer),
 which calls ``_pop_done_transfers``; only the MORI engine is stood in for
-(vllm_fix_testing_mori). ``patched`` selects unpatched vLLM or vLLM under ``applied(FIX)``.
+(vllm_fix_testing). ``patched`` selects unpatched vLLM or vLLM under ``applied(FIX)``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from packaging.version import Version
 
 from vllm_fix_core import FixRefused, PatchSet, Rung, UnknownShape, ast_fingerprint, runtime
 from vllm_fix_core.patching import layers_of, original_of
-from vllm_fix_core.testing import STRICT, applied, vllm_version
 from vllm_fix_read_failure_ownership import FIX, patch, probe
-from vllm_fix_testing_mori import done, failed, pending
+from vllm_fix_testing import STRICT, applied, done, failed, pending, vllm_version
 
 EXPECTED_SHAPE = {Version("0.32.0"): "vllm-0.32.0", Version("0.33.0"): "vllm-0.33.0"}
 EXPECTED_FINGERPRINT = {Version("0.32.0"): "e36833d400c2f75a", Version("0.33.0"): "692d6197971f9783"}
@@ -181,7 +180,7 @@ def test_mixed_step_completes_done_reads_then_fails_closed(kit: SimpleNamespace,
 
 def test_status_failing_between_polls(kit: SimpleNamespace, clock: Any) -> None:
     """A status that turns failed after a pending poll fails closed on the next poll."""
-    from vllm_fix_testing_mori import FakeStatus
+    from vllm_fix_testing import FakeStatus
 
     with fix_state(True):
         h = kit.build_worker(hybrid=True)

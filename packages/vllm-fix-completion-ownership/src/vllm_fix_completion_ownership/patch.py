@@ -33,9 +33,7 @@ from vllm_fix_completion_ownership.rule import (
     WireError,
     WorkerGate,
 )
-from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
-from vllm_fix_core.log import get_logger
-from vllm_fix_core.patching import original_of
+from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, get_logger, original_of
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
 LEDGER_ATTR = "_vllm_fix_co_ledger"

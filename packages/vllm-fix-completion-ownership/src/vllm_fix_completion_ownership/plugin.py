@@ -3,6 +3,6 @@
 
 def register() -> None:
     from vllm_fix_completion_ownership.declaration import FIX
-    from vllm_fix_core.runtime import install
+    from vllm_fix_core import install
 
     install(FIX)

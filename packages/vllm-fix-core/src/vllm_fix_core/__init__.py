@@ -4,6 +4,7 @@ from vllm_fix_core.__about__ import __version__
 from vllm_fix_core.declaration import (
     Check,
     Fix,
+    NotApplicable,
     ProbeReport,
     ProcessKind,
     Target,
@@ -11,11 +12,12 @@ from vllm_fix_core.declaration import (
     Upstream,
     UpstreamStatus,
 )
-from vllm_fix_core.fingerprint import ast_fingerprint
-from vllm_fix_core.ladder import Decision, FixFailed, FixRefused, Rung
-from vllm_fix_core.patching import PatchConflict, PatchSet
+from vllm_fix_core.fingerprint import ast_fingerprint, function_ast, parse_source
+from vllm_fix_core.ladder import Decision, FixFailed, FixRefused, Rung, evaluate, verdict
+from vllm_fix_core.log import get_logger
+from vllm_fix_core.patching import PatchConflict, PatchSet, layers_of, original_of
 from vllm_fix_core.runtime import apply, decisions, install, revert
-from vllm_fix_core.settings import Settings
+from vllm_fix_core.settings import InvalidSetting, Settings
 
 __all__ = [
     "Check",
@@ -23,6 +25,8 @@ __all__ = [
     "Fix",
     "FixFailed",
     "FixRefused",
+    "InvalidSetting",
+    "NotApplicable",
     "PatchConflict",
     "PatchSet",
     "ProbeReport",
@@ -37,6 +41,13 @@ __all__ = [
     "apply",
     "ast_fingerprint",
     "decisions",
+    "evaluate",
+    "function_ast",
+    "get_logger",
     "install",
+    "layers_of",
+    "original_of",
+    "parse_source",
     "revert",
+    "verdict",
 ]

@@ -32,7 +32,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 def _vllm_version() -> str:
     try:
-        from vllm_fix_core.testing import vllm_version
+        from vllm_fix_testing import vllm_version
 
         return str(vllm_version())
     except Exception:

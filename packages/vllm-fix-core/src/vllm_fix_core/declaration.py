@@ -48,6 +48,9 @@ class Target:
     module: str
     qualname: str
     process: ProcessKind
+    # An optional target exists only in some vLLM releases (a method added later, say): where it
+    # is absent the fix patches the others and does not count the release as "not applicable".
+    optional: bool = False
 
     @property
     def path(self) -> str:
@@ -124,6 +127,15 @@ class ProbeReport:
 
 class UnknownShape(Exception):
     """Raised by a fix's `recognize` when the target is not a shape it knows."""
+
+
+class NotApplicable(Exception):
+    """Raised by a fix's `probe` or `recognize` when this vLLM lacks the code the bug lives in.
+
+    Only for a *feature* that is absent (no shared memory region, no hybrid READ, no Kimi K3
+    parser): the bug cannot happen here, so the answer is "not applicable", logged at DEBUG.
+    A target that exists but looks unfamiliar is UnknownShape, never this.
+    """
 
 
 def _load(ref: str) -> Any:

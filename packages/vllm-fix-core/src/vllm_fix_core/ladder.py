@@ -6,7 +6,7 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
-from vllm_fix_core.declaration import Fix, ProbeReport, UnknownShape
+from vllm_fix_core.declaration import Fix, NotApplicable, ProbeReport, UnknownShape
 from vllm_fix_core.hooks import locate
 from vllm_fix_core.log import get_logger, probing
 from vllm_fix_core.patching import PatchSet
@@ -14,19 +14,42 @@ from vllm_fix_core.settings import Settings
 
 
 class Rung(str, enum.Enum):
-    DISABLED = "disabled"  # 1
-    NOT_APPLICABLE = "not-applicable"  # 2
-    UPSTREAM_FIXED = "upstream-fixed"  # 3
-    REFUSED = "refused"  # 4
-    FAILED = "failed"  # 5 (applied, probe still saw the bug, reverted)
-    APPLIED = "applied"  # 5 (applied and verified)
-    PENDING = "pending"  # waiting for vLLM to import the trigger module
-    EVALUATED = "evaluated"  # dry run (status): affected, would apply
+    """Where a fix landed on the ladder. The value is the one word used everywhere: log lines,
+    `vllm-fixes status` / `verify` text and JSON, the report file, the docs."""
 
+    DISABLED = "disabled"  # 1
+    NOT_APPLICABLE = "not applicable"  # 2: the code the bug lives in is not part of this vLLM
+    CANNOT_CHECK = "cannot check"  # 2: a target exists but cannot be imported or probed here
+    UPSTREAM_FIXED = "fixed upstream"  # 3
+    REFUSED = "refused"  # 4: affected, but patching would be unsafe; not patched
+    FAILED = "failed to fix"  # 5: applied, probe still saw the bug, reverted
+    APPLIED = "affected → fixed"  # 5: applied and verified
+    PENDING = "pending"  # waiting for vLLM to import the trigger module
+    EVALUATED = "would fix"  # dry run (status): affected, a known shape, would apply
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# The order verdict lines count rungs in.
+VERDICT_ORDER = (
+    Rung.APPLIED,
+    Rung.EVALUATED,
+    Rung.UPSTREAM_FIXED,
+    Rung.NOT_APPLICABLE,
+    Rung.REFUSED,
+    Rung.FAILED,
+    Rung.CANNOT_CHECK,
+    Rung.DISABLED,
+    Rung.PENDING,
+)
+# Always shown in a verdict line, even at 0 (the others only when they occur).
+VERDICT_ALWAYS = (Rung.UPSTREAM_FIXED, Rung.REFUSED, Rung.CANNOT_CHECK)
 
 _LEVEL = {
     Rung.DISABLED: logging.DEBUG,
     Rung.NOT_APPLICABLE: logging.DEBUG,
+    Rung.CANNOT_CHECK: logging.WARNING,
     Rung.UPSTREAM_FIXED: logging.INFO,
     Rung.REFUSED: logging.WARNING,
     Rung.FAILED: logging.ERROR,
@@ -57,6 +80,16 @@ class Decision:
     @property
     def message(self) -> str:
         return f"vllm-fix {self.fix_id}: {self.rung.value}: {self.reason}"
+
+
+def verdict(vllm: str, decisions: list[Decision]) -> str:
+    """One line per vLLM: 'vLLM 0.33.0: 7 fixes — 6 affected → fixed, 1 fixed upstream, ...'."""
+    counts = {rung: 0 for rung in VERDICT_ORDER}
+    for d in decisions:
+        counts[d.rung] += 1
+    parts = [f"{n} {rung.value}" for rung, n in counts.items() if n or rung in VERDICT_ALWAYS]
+    noun = "fix" if len(decisions) == 1 else "fixes"
+    return f"vLLM {vllm}: {len(decisions)} {noun} — " + ", ".join(parts)
 
 
 def _log(fix: Fix, decision: Decision) -> None:
@@ -91,28 +124,39 @@ def evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool 
     return decision
 
 
-def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool) -> Decision:
-    if honour_disable and settings.is_disabled(fix.id):
-        return Decision(fix.id, Rung.DISABLED, "disabled by VLLM_FIXES_DISABLE")
-    # Rung 2: the target module must exist and import in this vLLM.
-    modules = dict.fromkeys(t.module for t in fix.targets)
+def _resolve_targets(fix: Fix) -> Decision | None:
+    """Rung 2: every required target exists and imports. None when the fix can go on."""
+    modules = dict.fromkeys(t.module for t in fix.targets if not t.optional)
     for module in modules:
         if not locate(module):
             return Decision(fix.id, Rung.NOT_APPLICABLE, f"{module} is not part of this vLLM")
-    try:
-        resolved = [t.resolve() for t in fix.targets]
-    except ImportError as exc:
-        return Decision(fix.id, Rung.NOT_APPLICABLE, f"target cannot be imported: {exc}")
-    except AttributeError as exc:
-        return Decision(fix.id, Rung.REFUSED, f"target not found in this vLLM: {exc}")
-    except Exception as exc:  # a target module that raises on import
-        return Decision(fix.id, Rung.NOT_APPLICABLE, f"target failed to import: {exc!r}")
-    del resolved
+    for target in fix.targets:
+        if target.optional and not locate(target.module):
+            continue
+        try:
+            target.resolve()
+        except AttributeError as exc:
+            if target.optional:
+                continue
+            return Decision(fix.id, Rung.NOT_APPLICABLE, f"{target.path} is not part of this vLLM ({exc})")
+        except Exception as exc:  # the module is there but cannot be imported here
+            return Decision(fix.id, Rung.CANNOT_CHECK, f"{target.module} failed to import: {exc!r}")
+    return None
+
+
+def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool) -> Decision:
+    if honour_disable and settings.is_disabled(fix.id):
+        return Decision(fix.id, Rung.DISABLED, "disabled by VLLM_FIXES_DISABLE")
+    missing = _resolve_targets(fix)
+    if missing is not None:
+        return missing
     # Rung 3: does this vLLM have the bug?
     try:
         before = run_probe(fix)
+    except NotApplicable as exc:
+        return Decision(fix.id, Rung.NOT_APPLICABLE, str(exc))
     except Exception as exc:
-        return Decision(fix.id, Rung.REFUSED, f"probe could not run on this vLLM: {exc!r}")
+        return Decision(fix.id, Rung.CANNOT_CHECK, f"the probe could not run on this vLLM: {exc!r}")
     if not before.affected:
         return Decision(
             fix.id,
@@ -121,17 +165,20 @@ def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool
             before=before,
         )
     # Rung 4: only known shapes, and only a vLLM that behaves as the fix assumes.
+    seen = "affected, not patched: " + _describe_before(before)
     try:
         shape = fix.run_recognize()
+    except NotApplicable as exc:
+        return Decision(fix.id, Rung.NOT_APPLICABLE, str(exc), before=before)
     except UnknownShape as exc:
-        return Decision(fix.id, Rung.REFUSED, f"unknown target shape, not applied: {exc}", before=before)
+        return Decision(fix.id, Rung.REFUSED, f"{seen}; unknown target shape: {exc}", before=before)
     except Exception as exc:
-        return Decision(fix.id, Rung.REFUSED, f"shape check failed, not applied: {exc!r}", before=before)
+        return Decision(fix.id, Rung.REFUSED, f"{seen}; the shape check failed: {exc!r}", before=before)
     if before.broken_guards:
         return Decision(
             fix.id,
             Rung.REFUSED,
-            "this vLLM does not behave as the fix assumes (" + before.summary() + "); not applied",
+            f"{seen}; this vLLM does not behave as the fix assumes ({before.summary()})",
             before=before,
         )
     if not apply:

@@ -31,6 +31,11 @@ def installed_fixes() -> list[Installed]:
     return found
 
 
+def installed_ids() -> list[str]:
+    """Ids of the installed fixes, from entry-point names alone (nothing is imported)."""
+    return sorted({ep.name for ep in entry_points(group=GROUP)})
+
+
 def plugin_entry_points() -> dict[str, str]:
     """All `vllm.general_plugins` entry points: name -> value."""
     return {ep.name: ep.value for ep in entry_points(group=PLUGIN_GROUP)}

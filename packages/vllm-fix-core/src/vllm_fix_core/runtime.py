@@ -9,9 +9,11 @@ import threading
 from types import ModuleType
 
 from vllm_fix_core.declaration import Fix
+from vllm_fix_core.environment import register_switches
 from vllm_fix_core.hooks import locate, when_imported
 from vllm_fix_core.ladder import Decision, Rung, _log, evaluate
-from vllm_fix_core.settings import Settings
+from vllm_fix_core.log import get_logger
+from vllm_fix_core.settings import REPORT_ENV, Settings, unknown_ids_message
 
 _lock = threading.RLock()
 _decisions: dict[str, Decision] = {}
@@ -21,9 +23,6 @@ def decisions() -> dict[str, Decision]:
     """This process's decision per fix id (a copy)."""
     with _lock:
         return dict(_decisions)
-
-
-REPORT_ENV = "VLLM_FIXES_REPORT"
 
 
 def _store(decision: Decision) -> Decision:
@@ -61,7 +60,9 @@ def install(fix: Fix, settings: Settings | None = None) -> Decision:
     Decides now if the trigger module is already imported, otherwise when vLLM
     imports it. Never raises into vLLM's plugin loader unless strict mode is on.
     """
-    settings = settings or Settings.from_env()
+    register_switches()
+    settings = settings or Settings.from_env()  # an invalid strict value raises: loud, not "off"
+    _warn_unknown_ids(settings)
     with _lock:
         current = _decisions.get(fix.id)
         if current is not None and current.rung in (Rung.APPLIED, Rung.PENDING):
@@ -86,13 +87,33 @@ def install(fix: Fix, settings: Settings | None = None) -> Decision:
         _store(evaluate(fix, settings, apply=True))
 
     def on_failed(exc: BaseException) -> None:
-        decision = Decision(fix.id, Rung.NOT_APPLICABLE, f"{fix.trigger_module} failed to import: {exc!r}")
+        # The module is part of this vLLM but cannot be imported in this environment (a missing
+        # dependency, say): vLLM cannot use it here either, so nothing is patched, but the bug
+        # may well be there; say so loudly.
+        decision = Decision(fix.id, Rung.CANNOT_CHECK, f"{fix.trigger_module} failed to import: {exc!r}")
         _log(fix, decision)
         _store(decision)
 
     _store(Decision(fix.id, Rung.PENDING, f"waiting for vLLM to import {fix.trigger_module}"))
     when_imported(fix.trigger_module, on_loaded, on_failed)
     return decisions()[fix.id]
+
+
+_warned_unknown = False
+
+
+def _warn_unknown_ids(settings: Settings) -> None:
+    """One WARNING per process when the disable switch names an id no installed fix has."""
+    global _warned_unknown
+    if _warned_unknown or not settings.disabled:
+        return
+    _warned_unknown = True
+    from vllm_fix_core.registry import installed_ids
+
+    valid = installed_ids()
+    unknown = settings.unknown_ids(valid)
+    if unknown:
+        get_logger("settings").warning("%s", unknown_ids_message(unknown, valid))
 
 
 def apply(fix: Fix, settings: Settings | None = None) -> Decision:

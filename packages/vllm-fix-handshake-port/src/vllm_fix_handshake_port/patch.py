@@ -30,10 +30,7 @@ from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
-from vllm_fix_core import PatchSet, UnknownShape
-from vllm_fix_core.fingerprint import parse_source
-from vllm_fix_core.log import get_logger
-from vllm_fix_core.patching import original_of
+from vllm_fix_core import PatchSet, UnknownShape, get_logger, original_of, parse_source
 from vllm_fix_handshake_port import watch
 from vllm_fix_handshake_port.rule import (
     bind_error_message,

@@ -2,7 +2,7 @@
 
 
 def register() -> None:
-    from vllm_fix_core.runtime import install
+    from vllm_fix_core import install
     from vllm_fix_handshake_port.declaration import FIX
 
     install(FIX)

@@ -16,8 +16,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from vllm_fix_core import Check, ProbeReport
-from vllm_fix_core.fingerprint import function_ast
+from vllm_fix_core import Check, ProbeReport, function_ast
 from vllm_fix_handshake_port.rule import listening_tp_size
 
 GRIDS = ((2, 2), (4, 8))  # (local DP size, TP size)

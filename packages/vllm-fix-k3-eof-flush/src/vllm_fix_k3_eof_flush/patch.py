@@ -32,9 +32,7 @@ import inspect
 import weakref
 from typing import Any
 
-from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
-from vllm_fix_core.log import get_logger
-from vllm_fix_core.patching import original_of
+from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, get_logger, original_of
 from vllm_fix_k3_eof_flush.rule import held_tail, next_chunk_tail
 
 K3_MODULE = "vllm.parser.kimi_k3"

@@ -9,10 +9,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
-from vllm_fix_core.fingerprint import function_ast
-from vllm_fix_core.log import get_logger
-from vllm_fix_core.patching import original_of
+from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger, original_of
 from vllm_fix_listener_port.rule import adopt_native_port, let_native_engine_choose
 
 # (from_vllm_config, MoRIIOConnectorWorker.__init__) normalized-AST fingerprints.

@@ -74,7 +74,7 @@ def _modules() -> tuple[Any, Any]:
 
 def original_from_vllm_config() -> Callable[..., Any]:
     """vLLM's own from_vllm_config function (below every fix's layers)."""
-    from vllm_fix_core.patching import original_of
+    from vllm_fix_core import original_of
 
     common, _ = _modules()
     raw = original_of(common.MoRIIOConfig, "from_vllm_config")

@@ -1,6 +1,6 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core.declaration import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 

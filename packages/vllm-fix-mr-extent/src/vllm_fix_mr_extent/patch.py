@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
-from vllm_fix_core.patching import original_of
+from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, original_of
 from vllm_fix_mr_extent.rule import (
     PAGE_SIZE,
     Region,

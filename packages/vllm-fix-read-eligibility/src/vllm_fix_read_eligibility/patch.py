@@ -6,8 +6,7 @@ import contextlib
 import inspect
 from typing import Any
 
-from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
-from vllm_fix_core.log import get_logger
+from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, get_logger
 from vllm_fix_read_eligibility.rule import malformed_reason, wants_remote_prefill
 
 # Normalized-AST fingerprints (vllm_fix_core.ast_fingerprint) of the known targets.

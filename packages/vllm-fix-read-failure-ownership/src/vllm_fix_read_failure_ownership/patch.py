@@ -21,10 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint
-from vllm_fix_core.fingerprint import function_ast
-from vllm_fix_core.log import get_logger
-from vllm_fix_core.patching import original_of
+from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger, original_of
 from vllm_fix_read_failure_ownership.rule import Outcome, classify, ownership
 
 FIX_ID = "read-failure-ownership"

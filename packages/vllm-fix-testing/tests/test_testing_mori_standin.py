@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_fix_testing_mori import (
+from vllm_fix_testing import (
     FAILED,
     PENDING,
     SUCCEEDED,
@@ -17,7 +17,7 @@ from vllm_fix_testing_mori import (
     failed,
     pending,
 )
-from vllm_fix_testing_mori.engine import real_wrapper_class
+from vllm_fix_testing.engine import real_wrapper_class
 
 
 def _states() -> object:

@@ -1,4 +1,10 @@
-"""A stand-in for the native MORI engine, for tests of MoRIIO fixes on real vLLM.
+"""Test support for the vllm-fixes packages (test extra only; never in a runtime install).
+
+* :mod:`vllm_fix_testing.real`: real vLLM objects built on CPU (a Scheduler with a real KV
+  connector, a real Request, a tiny model config), ``applied(fix)``, ``vllm_version()``;
+* the MORI stand-in below.
+
+A stand-in for the native MORI engine, for tests of MoRIIO fixes on real vLLM.
 
 This machine has no RDMA NIC and no ``mori`` package, so the pieces of MoRIIO that
 talk to the engine are replaced here, and only those:
@@ -16,8 +22,8 @@ Test support only: not a fix, no entry points. vLLM is imported lazily (only whe
 real vLLM method is needed), so importing this package is cheap.
 """
 
-from vllm_fix_testing_mori.__about__ import __version__
-from vllm_fix_testing_mori.engine import (
+from vllm_fix_testing.__about__ import __version__
+from vllm_fix_testing.engine import (
     FakeEngine,
     FakeMemoryDesc,
     FakeSession,
@@ -25,12 +31,26 @@ from vllm_fix_testing_mori.engine import (
     Notify,
     ReadCall,
 )
-from vllm_fix_testing_mori.status import FAILED, PENDING, SUCCEEDED, FakeStatus, done, failed, pending
+from vllm_fix_testing.hostile import assert_hostile_wrapper_fails, hostile_decision
+from vllm_fix_testing.real import (
+    MORIIO_EXTRA_CONFIG,
+    STRICT,
+    TINY_MODEL_CONFIG,
+    applied,
+    real_request,
+    real_scheduler,
+    tiny_model_dir,
+    vllm_version,
+)
+from vllm_fix_testing.status import FAILED, PENDING, SUCCEEDED, FakeStatus, done, failed, pending
 
 __all__ = [
     "FAILED",
+    "MORIIO_EXTRA_CONFIG",
     "PENDING",
+    "STRICT",
     "SUCCEEDED",
+    "TINY_MODEL_CONFIG",
     "FakeEngine",
     "FakeMemoryDesc",
     "FakeSession",
@@ -39,7 +59,14 @@ __all__ = [
     "Notify",
     "ReadCall",
     "__version__",
+    "applied",
+    "assert_hostile_wrapper_fails",
     "done",
     "failed",
+    "hostile_decision",
     "pending",
+    "real_request",
+    "real_scheduler",
+    "tiny_model_dir",
+    "vllm_version",
 ]

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_fix_testing_mori.status import SUCCEEDED, FakeStatus
+from vllm_fix_testing.status import SUCCEEDED, FakeStatus
 
 WRAPPER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_engine"
 
