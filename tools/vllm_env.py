@@ -28,7 +28,18 @@ REQ = HERE / "requirements"
 # ([tool.vllm-fixes] test-targets), and the release matrix covers every release.
 TARGETS = ("0.32.0", "0.33.0")
 # The newest patch of every vLLM minor release from 0.24 on: `vllm-fixes verify` runs on each.
-RELEASES = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+RELEASES = (
+    "0.24.0",
+    "0.25.1",
+    "0.26.0",
+    "0.27.1",
+    "0.28.0",
+    "0.29.0",
+    "0.30.0",
+    "0.31.0",
+    "0.32.0",
+    "0.33.0",
+)
 ALL_TARGETS = tuple(dict.fromkeys((*RELEASES, *TARGETS)))
 # MoRIIO imports msgpack; neither vLLM release declares it.
 EXTRA = ["msgpack"]

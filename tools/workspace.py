@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from vllm_env import TARGETS
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES_DIR = ROOT / "packages"
 META = "vllm-fixes"
 CORE = "vllm-fix-core"
+DEFAULT_TARGETS = TARGETS  # every package is tested on these unless it names its own
 
 
 def canonical(name: str) -> str:
@@ -30,6 +33,7 @@ class Package:
     dependencies: tuple[str, ...]
     extras: dict[str, tuple[str, ...]]
     fix_id: str | None  # the `vllm_fixes` entry point name, for fix packages
+    test_targets: tuple[str, ...]  # vLLM targets its tests run on ([tool.vllm-fixes] test-targets)
 
     @property
     def slug(self) -> str:
@@ -71,6 +75,9 @@ def packages() -> tuple[Package, ...]:
                 dependencies=tuple(project.get("dependencies", [])),
                 extras={k: tuple(v) for k, v in project.get("optional-dependencies", {}).items()},
                 fix_id=next(iter(eps), None),
+                test_targets=tuple(
+                    data.get("tool", {}).get("vllm-fixes", {}).get("test-targets", DEFAULT_TARGETS)
+                ),
             )
         )
     return tuple(found)
