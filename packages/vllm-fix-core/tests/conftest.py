@@ -21,7 +21,7 @@ class Widget:
 """
 
 FIX_SRC = """
-from vllm_fix_core import Check, ProbeReport, UnknownShape, ast_fingerprint
+from vllm_fix_core import Check, NotApplicable, ProbeReport, UnknownShape, ast_fingerprint
 import importlib
 
 MODULE = "{module}"
@@ -35,6 +35,8 @@ def _widget():
 def probe():
     if MODE["mode"] == "probe-raises":
         raise RuntimeError("probe exploded")
+    if MODE["mode"] == "feature-absent":
+        raise NotApplicable("no widgets here")
     value = _widget()().compute(1)
     negative = _widget()().compute(-1000)
     guard_broken = negative >= 0 or MODE["mode"] == "guard-broken"

@@ -67,14 +67,14 @@ def test_status_reports_rung_and_vllm_plugins(fake_dist: dict[str, str], demo: A
     out = cli(fake_dist, "status", "--json")
     data = json.loads(out.stdout)
     row = only_demo(data["fixes"], demo)
-    assert row["rung"] == "evaluated"
+    assert row["rung"] == "would fix"
     assert row["checks"] == {"off-by-one": True, "negatives-stay-negative": False}
     assert row["plugin_loaded_by_vllm"] is True and data["warnings"] == []
     env = {**fake_dist, "VLLM_PLUGINS": "some_other_plugin", "VLLM_FIXES_DISABLE": demo.fix.id}
     data = json.loads(cli(env, "status", "--json").stdout)
     row = only_demo(data["fixes"], demo)
     assert row["rung"] == "disabled"
-    assert row["plugin_loaded_by_vllm"] is False and "does not name it" in row["vllm_plugins"]
+    assert row["plugin_loaded_by_vllm"] is False and "not named" in row["vllm_plugins"]
     assert data["warnings"] == [VLLM_PLUGINS_WARNING]
     text = cli(env, "status").stdout
     assert "WARNING: VLLM_PLUGINS is set" in text
@@ -90,8 +90,13 @@ def test_verify_table_and_exit_codes(fake_dist: dict[str, str], demo: Any, tmp_p
     fix_src.write_text(fix_src.read_text().replace('"mode": "good"', '"mode": "ineffective"'))
     out = cli(fake_dist, "verify", "--fix", demo.fix.id)
     assert out.returncode == 1
-    assert "FAILED TO FIX" in out.stdout
-    assert cli(fake_dist, "verify", "--fix", "no-such-fix").returncode == 2
+    assert "failed to fix" in out.stdout
+    assert out.stdout.strip().splitlines()[-1].endswith("0 cannot check, 1 failed to fix") or (
+        "1 failed to fix" in out.stdout.strip().splitlines()[-1]
+    )
+    unknown = cli(fake_dist, "verify", "--fix", "no-such-fix")
+    assert unknown.returncode == 2
+    assert "no-such-fix" in unknown.stderr and demo.fix.id in unknown.stderr  # lists the valid ids
 
 
 def test_vllm_plugins_filter_matches_real_vllm(fake_dist: dict[str, str], demo: Any) -> None:
@@ -127,3 +132,21 @@ def test_vllm_plugins_filter_matches_real_vllm(fake_dist: dict[str, str], demo: 
             env["VLLM_PLUGINS"] = allowed
         status = json.loads(cli(env, "status", "--json", "--fix", demo.fix.id).stdout)
         assert status["fixes"][0]["plugin_loaded_by_vllm"] is expected
+
+
+def test_bad_switch_values_are_loud(fake_dist: dict[str, str], demo: Any) -> None:
+    out = cli({**fake_dist, "VLLM_FIXES_STRICT": "2"}, "status")
+    assert out.returncode == 2 and "VLLM_FIXES_STRICT" in out.stderr
+    out = cli({**fake_dist, "VLLM_FIXES_DISABLE": "no-such-fix"}, "status", "--json")
+    warnings = json.loads(out.stdout)["warnings"]
+    assert any("no-such-fix" in w and demo.fix.id in w for w in warnings)
+
+
+def test_json_stdout_is_only_json_and_ends_with_a_verdict(fake_dist: dict[str, str], demo: Any) -> None:
+    for command in ("status", "verify"):
+        out = cli(fake_dist, command, "--json", "--fix", demo.fix.id)
+        data = json.loads(out.stdout)  # nothing else on stdout
+        assert data["verdict"].startswith(f"vLLM {data['vllm']['version']}: 1 fix — ")
+        text = cli(fake_dist, command, "--fix", demo.fix.id).stdout.strip().splitlines()
+        assert text[0].startswith(f"vLLM {data['vllm']['version']} (") and data["vllm"]["path"] in text[0]
+        assert text[-1] == data["verdict"]

@@ -1,4 +1,4 @@
-"""The decision ladder (DESIGN.md): one decision and one log line per fix per process."""
+"""The decision ladder (docs/architecture.md): one decision and one log line per fix per process."""
 
 from __future__ import annotations
 
@@ -59,13 +59,15 @@ def test_upstream_fixed_patches_nothing(demo, fix_lines: Lines) -> None:  # type
     assert fix_lines(demo.fix.id) == [("INFO", d.message)]
 
 
-@pytest.mark.parametrize("mode", ["unknown-shape", "probe-raises", "guard-broken"])
+@pytest.mark.parametrize("mode", ["unknown-shape", "guard-broken"])
 def test_refused_logs_warning_changes_nothing_and_strict_raises(demo, fix_lines: Lines, mode: str) -> None:  # type: ignore[no-untyped-def]
     __import__(demo.module)
     demo.set_mode(mode)
     original = demo.raw()
     d = runtime.apply(demo.fix, LAX)
     assert d.rung is Rung.REFUSED and demo.raw() is original
+    # The line says the bug was seen, and which symptom.
+    assert "affected, not patched" in d.reason and "off-by-one" in d.reason
     assert fix_lines(demo.fix.id) == [("WARNING", d.message)]
     runtime.revert(demo.fix)
     with pytest.raises(FixRefused):
@@ -99,13 +101,67 @@ def test_lazy_install_decides_on_import(demo, fix_lines: Lines) -> None:  # type
 
 
 def test_lazy_install_reports_failed_import_once(demo, fix_lines: Lines, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    (tmp_path / f"{demo.module}.py").write_text("raise ImportError('needs msgpack')\n")
+    """A target module that exists but fails to import is "cannot check", a WARNING: never
+    "not applicable" (the bug may well be there; this environment lacks something else)."""
+    (tmp_path / f"{demo.module}.py").write_text("import msgpack_missing_xyz\n")
     runtime.install(demo.fix, STRICT)
     with pytest.raises(ImportError):
         __import__(demo.module)
-    assert runtime.decisions()[demo.fix.id].rung is Rung.NOT_APPLICABLE
+    assert runtime.decisions()[demo.fix.id].rung is Rung.CANNOT_CHECK
     lines = fix_lines(demo.fix.id)
-    assert len(lines) == 1 and lines[0][0] == "DEBUG" and "needs msgpack" in lines[0][1]
+    assert len(lines) == 1 and lines[0][0] == "WARNING" and "msgpack_missing_xyz" in lines[0][1]
+
+
+def test_target_that_fails_to_import_cannot_be_checked(demo, fix_lines: Lines, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / f"{demo.module}.py").write_text("import gguf_missing_xyz\n")
+    d = runtime.apply(demo.fix, LAX)
+    assert d.rung is Rung.CANNOT_CHECK and "gguf_missing_xyz" in d.reason
+    assert fix_lines(demo.fix.id) == [("WARNING", d.message)]
+
+
+def test_probe_that_raises_cannot_check(demo, fix_lines: Lines) -> None:  # type: ignore[no-untyped-def]
+    __import__(demo.module)
+    demo.set_mode("probe-raises")
+    original = demo.raw()
+    d = runtime.apply(demo.fix, STRICT)  # not a refusal: strict does not raise, nothing is patched
+    assert d.rung is Rung.CANNOT_CHECK and "probe exploded" in d.reason and demo.raw() is original
+    assert fix_lines(demo.fix.id) == [("WARNING", d.message)]
+
+
+def test_absent_feature_is_not_applicable(demo, fix_lines: Lines) -> None:  # type: ignore[no-untyped-def]
+    __import__(demo.module)
+    demo.set_mode("feature-absent")
+    d = runtime.apply(demo.fix, STRICT)
+    assert d.rung is Rung.NOT_APPLICABLE and "no widgets here" in d.reason
+    assert fix_lines(demo.fix.id) == [("DEBUG", d.message)]
+
+
+def test_missing_method_is_not_applicable_unless_optional(demo) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    from vllm_fix_core.declaration import Target
+
+    process = demo.fix.targets[0].process
+    absent = Target(demo.module, "Widget.added_in_a_later_release", process)
+    d = runtime.apply(replace(demo.fix, targets=(*demo.fix.targets, absent)), LAX)
+    assert d.rung is Rung.NOT_APPLICABLE and "added_in_a_later_release" in d.reason
+    runtime.revert(demo.fix)
+    optional = replace(absent, optional=True)
+    d = runtime.apply(replace(demo.fix, targets=(*demo.fix.targets, optional)), LAX)
+    assert d.rung is Rung.APPLIED
+
+
+def test_verdict_line_counts_each_rung() -> None:
+    from vllm_fix_core import Decision, verdict
+
+    decisions = [
+        Decision("a", Rung.APPLIED, ""),
+        Decision("b", Rung.APPLIED, ""),
+        Decision("c", Rung.UPSTREAM_FIXED, ""),
+    ]
+    assert verdict("0.33.0", decisions) == (
+        "vLLM 0.33.0: 3 fixes — 2 affected → fixed, 1 fixed upstream, 0 refused, 0 cannot check"
+    )
 
 
 def test_probe_output_is_silenced_while_probing(demo, fix_lines: Lines) -> None:  # type: ignore[no-untyped-def]

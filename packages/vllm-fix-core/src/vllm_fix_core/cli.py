@@ -1,42 +1,100 @@
-"""The `vllm-fixes` command: list, status, verify, docs (each with --json)."""
+"""The `vllm-fixes` command: list, status, verify (each with --json; status/verify with --source).
+
+Every answer uses the ladder's own words (`Rung` values); `status` and `verify` end with one
+verdict line per vLLM. With --json, stdout carries only JSON: vLLM's log lines and prints go to
+stderr while targets are imported and probed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
+import subprocess
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_fix_core import runtime
 from vllm_fix_core.declaration import Fix, ProbeReport
-from vllm_fix_core.ladder import Decision, Rung, evaluate
+from vllm_fix_core.environment import ImportedVllm, imported_vllm
+from vllm_fix_core.ladder import Decision, Rung, evaluate, verdict
 from vllm_fix_core.registry import Installed, installed_fixes, plugin_entry_points
-from vllm_fix_core.settings import DISABLE_ENV, STRICT_ENV, Settings, vllm_plugins_filter
+from vllm_fix_core.settings import (
+    DISABLE_ENV,
+    STRICT_ENV,
+    InvalidSetting,
+    Settings,
+    unknown_ids_message,
+    vllm_plugins_filter,
+)
 
 VLLM_PLUGINS_WARNING = (
     "VLLM_PLUGINS is set: it filters EVERY vLLM plugin group (general, platform, io-processor, "
     "stat-logger), not only these fixes; use VLLM_FIXES_DISABLE to switch single fixes off"
 )
+# Rungs after which the command exits non-zero: the fix did not fix, or nothing could be said.
+_BAD_VERIFY = (Rung.FAILED, Rung.CANNOT_CHECK)
+_BAD_STATUS = (Rung.CANNOT_CHECK,)
+
+
+# ---------------------------------------------------------------- output helpers
+def _width() -> int:
+    return max(80, shutil.get_terminal_size((100, 24)).columns)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    """Columns padded to their widest cell; the last column wraps to fit the terminal."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
+    lead = sum(widths) + 2 * len(widths)
+    last = max(30, _width() - lead)
 
-    def line(row: list[str]) -> str:
-        return "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+    def lines(row: list[str]) -> list[str]:
+        head = "  ".join(str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True))
+        wrapped = textwrap.wrap(str(row[-1]), last) or [""]
+        out = [(head + "  " + wrapped[0]).rstrip()]
+        out += [(" " * lead + more).rstrip() for more in wrapped[1:]]
+        return out
 
-    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+    rule = ["-" * w for w in widths] + ["-" * min(last, max(len(header[-1]), 4))]
+    result: list[str] = []
+    for row in [header, rule, *rows]:
+        result += lines(row)
+    return "\n".join(result)
 
 
-def _vllm_version() -> str:
-    try:
-        from vllm_fix_testing import vllm_version
+@contextlib.contextmanager
+def _stdout_to_stderr(enabled: bool) -> Iterator[None]:
+    """While vLLM is imported and probed, whatever it prints or logs to stdout goes to stderr.
 
-        return str(vllm_version())
-    except Exception:
-        return "not installed"
+    vLLM's log handler resolves its stream when vLLM's logger is first configured; setting
+    VLLM_LOGGING_STREAM (unless the user chose one) and redirecting sys.stdout before vLLM is
+    imported sends both its log lines and its prints to stderr.
+    """
+    if not enabled:
+        yield
+        return
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def _vllm_json(info: ImportedVllm | None) -> dict[str, Any] | None:
+    if info is None:
+        return None
+    return {"version": info.version, "path": info.path, "distribution": info.distribution}
+
+
+def _vllm_header(info: ImportedVllm | None) -> str:
+    return info.describe() if info else "vLLM: not importable in this environment"
+
+
+def _vllm_name(info: ImportedVllm | None) -> str:
+    return info.version if info else "(not importable)"
 
 
 def _upstream(fix: Fix) -> str:
@@ -45,9 +103,13 @@ def _upstream(fix: Fix) -> str:
     )
 
 
+def _checks(report: ProbeReport | None) -> dict[str, bool] | None:
+    return None if report is None else {c.name: c.affected for c in report.checks}
+
+
 # ---------------------------------------------------------------- list
-def cmd_list(items: list[Installed], as_json: bool) -> int:
-    if as_json:
+def cmd_list(items: list[Installed], args: argparse.Namespace) -> int:
+    if args.json:
         print(
             json.dumps(
                 [
@@ -67,6 +129,7 @@ def cmd_list(items: list[Installed], as_json: bool) -> int:
                     for i in items
                 ],
                 indent=2,
+                ensure_ascii=False,
             )
         )
         return 0
@@ -88,12 +151,12 @@ class StatusRow:
 def _plugin_state(fix: Fix, entry_points: dict[str, str]) -> tuple[bool, str]:
     allowed = vllm_plugins_filter()
     if fix.entry_point not in entry_points:
-        return False, f"entry point {fix.entry_point} not registered"
+        return False, "entry point not registered"
     if allowed is None:
-        return True, "VLLM_PLUGINS unset: loaded"
+        return True, "loaded"
     if fix.entry_point in allowed:
-        return True, "named in VLLM_PLUGINS: loaded"
-    return False, "VLLM_PLUGINS does not name it: vLLM will not load it"
+        return True, "named: loaded"
+    return False, "not named: vLLM will not load it"
 
 
 def status_rows(items: list[Installed], settings: Settings) -> list[StatusRow]:
@@ -106,19 +169,28 @@ def status_rows(items: list[Installed], settings: Settings) -> list[StatusRow]:
     return rows
 
 
-def _rung_text(decision: Decision) -> str:
-    return "would apply" if decision.rung is Rung.EVALUATED else decision.rung.value
-
-
-def cmd_status(items: list[Installed], as_json: bool) -> int:
-    settings = Settings.from_env()
-    rows = status_rows(items, settings)
+def _settings_warnings(settings: Settings, items: list[Installed]) -> list[str]:
     warnings = [VLLM_PLUGINS_WARNING] if vllm_plugins_filter() is not None else []
-    if as_json:
+    valid = [i.fix.id for i in items]
+    unknown = settings.unknown_ids(valid)
+    if unknown:
+        warnings.append(unknown_ids_message(unknown, valid))
+    return warnings
+
+
+def cmd_status(items: list[Installed], args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    with _stdout_to_stderr(args.json):
+        info = imported_vllm()
+        rows = status_rows(items, settings)
+    warnings = _settings_warnings(settings, items)
+    line = verdict(_vllm_name(info), [r.decision for r in rows])
+    bad = any(r.decision.rung in _BAD_STATUS for r in rows)
+    if args.json:
         print(
             json.dumps(
                 {
-                    "vllm": _vllm_version(),
+                    "vllm": _vllm_json(info),
                     "strict": settings.strict,
                     "disabled": sorted(settings.disabled),
                     "vllm_plugins": vllm_plugins_filter(),
@@ -135,95 +207,153 @@ def cmd_status(items: list[Installed], as_json: bool) -> int:
                         }
                         for r in rows
                     ],
+                    "verdict": line,
                 },
                 indent=2,
+                ensure_ascii=False,
             )
         )
-        return 0
+        return 1 if bad else 0
     print(
-        f"vLLM {_vllm_version()}; {STRICT_ENV}={'1' if settings.strict else 'unset'}; "
+        f"{_vllm_header(info)}\n{STRICT_ENV}={'1' if settings.strict else 'unset'}; "
         f"{DISABLE_ENV}={','.join(sorted(settings.disabled)) or 'unset'}"
     )
     for w in warnings:
         print(f"WARNING: {w}")
-    table = [[r.fix.id, _rung_text(r.decision), r.plugin_note, r.decision.reason] for r in rows]
+    table = [[r.fix.id, r.decision.rung.value, r.plugin_note, r.decision.reason] for r in rows]
     print(_table(table, ["fix", "rung", "VLLM_PLUGINS", "why"]))
-    return 0
-
-
-def _checks(report: ProbeReport | None) -> dict[str, bool] | None:
-    return None if report is None else {c.name: c.affected for c in report.checks}
+    print(line)
+    return 1 if bad else 0
 
 
 # ---------------------------------------------------------------- verify
-OUTCOME_FIXED = "affected → fixed"
-OUTCOME_UPSTREAM = "fixed upstream"
-OUTCOME_REFUSED = "refused"
-OUTCOME_NA = "not applicable"
-OUTCOME_FAILED = "FAILED TO FIX"
-_OUTCOME_BY_RUNG = {
-    Rung.APPLIED: OUTCOME_FIXED,
-    Rung.UPSTREAM_FIXED: OUTCOME_UPSTREAM,
-    Rung.NOT_APPLICABLE: OUTCOME_NA,
-    Rung.FAILED: OUTCOME_FAILED,
-}
+GUARD_KEPT = "guard kept"
+GUARD_BROKEN_HERE = "guard broken on this vLLM"
+GUARD_BROKEN_BY_FIX = "GUARD BROKEN BY FIX"
 
 
-def verify_fix(fix: Fix) -> dict[str, Any]:
+def verify_fix(fix: Fix) -> tuple[Decision, dict[str, Any]]:
     """Probe unpatched, apply (strict off, disable switch ignored), probe again, revert."""
     settings = Settings(disabled=frozenset(), strict=False)
     runtime.revert(fix)
     decision = evaluate(fix, settings, apply=True, honour_disable=False)
-    overall = _OUTCOME_BY_RUNG.get(decision.rung, OUTCOME_REFUSED)
+    overall = decision.rung.value
     checks: list[dict[str, Any]] = []
     before, after = decision.before, decision.after
     for check in before.checks if before is not None else ():
         after_check = next((c for c in after.checks if c.name == check.name), None) if after else None
         if check.guard:
             if check.affected:
-                outcome = "guard broken on this vLLM"
+                outcome = GUARD_BROKEN_HERE
             elif after_check is not None and after_check.affected:
-                outcome = "GUARD BROKEN BY FIX"
+                outcome = GUARD_BROKEN_BY_FIX
             else:
-                outcome = "guard kept"
+                outcome = GUARD_KEPT
         else:
             # A symptom this vLLM does not show is fixed upstream; one it shows shares the
             # fix's outcome (fixed, failed to fix, or refused).
-            outcome = overall if check.affected else OUTCOME_UPSTREAM
+            outcome = overall if check.affected else Rung.UPSTREAM_FIXED.value
         checks.append({"check": check.name, "guard": check.guard, "outcome": outcome, "detail": check.detail})
     if decision.patch is not None:
         decision.patch.revert()
-    return {
+    return decision, {
         "id": fix.id,
         "outcome": overall,
-        "rung": decision.rung.value,
+        "rung": overall,
         "reason": decision.reason,
         "shape": decision.shape,
         "checks": checks,
     }
 
 
-def cmd_verify(items: list[Installed], as_json: bool) -> int:
-    results = [verify_fix(i.fix) for i in items]
-    failed = [r for r in results if r["outcome"] == OUTCOME_FAILED]
-    if as_json:
-        print(json.dumps({"vllm": _vllm_version(), "results": results, "failed": len(failed)}, indent=2))
-    else:
-        print(f"vLLM {_vllm_version()}")
-        rows: list[list[str]] = []
-        for r in results:
-            rows.append(
-                [
-                    r["id"],
-                    r["outcome"],
-                    r["shape"] or "",
-                    r["reason"] if r["outcome"] != OUTCOME_FIXED else "",
-                ]
+def cmd_verify(items: list[Installed], args: argparse.Namespace) -> int:
+    with _stdout_to_stderr(args.json):
+        info = imported_vllm()
+        verified = [verify_fix(i.fix) for i in items]
+    decisions = [d for d, _ in verified]
+    results = [r for _, r in verified]
+    line = verdict(_vllm_name(info), decisions)
+    bad = [d.fix_id for d in decisions if d.rung in _BAD_VERIFY]
+    if args.json:
+        print(
+            json.dumps(
+                {"vllm": _vllm_json(info), "results": results, "failed": len(bad), "verdict": line},
+                indent=2,
+                ensure_ascii=False,
             )
-            for c in r["checks"]:
-                rows.append(["  " + c["check"], c["outcome"], "", ""])
-        print(_table(rows, ["fix / check", "outcome", "shape", "note"]))
-    return 1 if failed else 0
+        )
+        return 1 if bad else 0
+    print(_vllm_header(info))
+    rows: list[list[str]] = []
+    for r in results:
+        note = r["reason"] if r["outcome"] != Rung.APPLIED.value else ""
+        rows.append([r["id"], r["outcome"], r["shape"] or "", note])
+        for c in r["checks"]:
+            rows.append(["  " + c["check"], c["outcome"], "", ""])
+    print(_table(rows, ["fix / check", "outcome", "shape", "note"]))
+    print(line)
+    return 1 if bad else 0
+
+
+# ---------------------------------------------------------------- --source (fork trees)
+FORK_ANSWER = {
+    Rung.APPLIED.value: "needs it (the tree has the bug; the runtime fix applies and verifies)",
+    Rung.EVALUATED.value: "needs it (the tree has the bug; the runtime fix would apply)",
+    Rung.UPSTREAM_FIXED.value: "carries it already",
+    Rung.NOT_APPLICABLE.value: "not applicable (the code the bug lives in is not in the tree)",
+    Rung.REFUSED.value: "cannot be patched safely here",
+    Rung.FAILED.value: "cannot be patched safely here (the fix did not verify)",
+    Rung.CANNOT_CHECK.value: "cannot check",
+    Rung.DISABLED.value: "disabled",
+}
+
+
+def cmd_source(command: str, source: str, args: argparse.Namespace) -> int:
+    """Run `command` in a child process with `source` first on the path; answer per fix."""
+    tree = os.path.abspath(source)
+    if not os.path.isdir(os.path.join(tree, "vllm")):
+        print(
+            f"vllm-fixes: {tree} holds no vllm/ package (give the folder that contains vllm/)",
+            file=sys.stderr,
+        )
+        return 2
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH", "")) if p)
+    child = [sys.executable, "-m", "vllm_fix_core.cli", command, "--json"]
+    for fix_id in args.fix:
+        child += ["--fix", fix_id]
+    proc = subprocess.run(child, env=env, capture_output=True, text=True, check=False)
+    try:
+        data = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        sys.stderr.write(proc.stderr[-4000:])
+        print(
+            f"vllm-fixes: the check against {tree} did not complete (exit {proc.returncode})", file=sys.stderr
+        )
+        return 2
+    vllm = data.get("vllm") or {}
+    rows = data.get("results") or data.get("fixes") or []
+    answers = []
+    for row in rows:
+        answer = FORK_ANSWER.get(row["rung"], row["rung"])
+        answers.append({"id": row["id"], "rung": row["rung"], "answer": answer, "reason": row["reason"]})
+    if args.json:
+        print(
+            json.dumps(
+                {"source": tree, "vllm": vllm, "fixes": answers, "verdict": data.get("verdict")},
+                indent=2,
+                ensure_ascii=False,
+            )
+        )
+        return proc.returncode
+    print(f"source tree {tree}: vLLM {vllm.get('version', '?')} ({vllm.get('path', '?')})")
+    table = []
+    for a in answers:
+        why = a["reason"] if a["rung"] not in (Rung.UPSTREAM_FIXED.value, Rung.APPLIED.value) else ""
+        table.append([a["id"], a["answer"], why])
+    print(_table(table, ["fix", "this tree", "why"]))
+    print(data.get("verdict", ""))
+    return proc.returncode
 
 
 # ---------------------------------------------------------------- main
@@ -235,22 +365,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, text in (
         ("list", "installed fix packages, versions, upstream PRs"),
         ("status", "each fix's rung on the decision ladder for this vLLM, and what VLLM_PLUGINS does to it"),
-        ("verify", "probe unpatched vLLM, apply, probe again; non-zero exit if a fix fails to fix"),
+        (
+            "verify",
+            "probe unpatched vLLM, apply, probe again; non-zero exit if a fix fails or cannot be checked",
+        ),
     ):
         p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--json", action="store_true", help="machine-readable output (stdout holds only JSON)")
         p.add_argument("--fix", action="append", default=[], help="only this fix id (repeatable)")
+        if name != "list":
+            p.add_argument(
+                "--source",
+                metavar="PATH",
+                help="a vLLM source tree (the folder holding vllm/): check it instead of the installed vLLM",
+            )
     args = parser.parse_args(argv)
+    try:
+        Settings.from_env()
+    except InvalidSetting as exc:
+        print(f"vllm-fixes: {exc}", file=sys.stderr)
+        return 2
     items = installed_fixes()
     if args.fix:
-        wanted = set(args.fix)
-        unknown = wanted - {i.fix.id for i in items}
+        valid = sorted(i.fix.id for i in items)
+        unknown = set(args.fix) - set(valid)
         if unknown:
-            print(f"vllm-fixes: unknown fix id(s): {', '.join(sorted(unknown))}", file=sys.stderr)
+            print(
+                f"vllm-fixes: unknown fix id(s): {', '.join(sorted(unknown))}; "
+                f"installed fixes: {', '.join(valid) or 'none'}",
+                file=sys.stderr,
+            )
             return 2
-        items = [i for i in items if i.fix.id in wanted]
+        items = [i for i in items if i.fix.id in set(args.fix)]
+    if getattr(args, "source", None):
+        return cmd_source(args.command, args.source, args)
     handler = {"list": cmd_list, "status": cmd_status, "verify": cmd_verify}[args.command]
-    return handler(items, args.json)
+    return handler(items, args)
 
 
 if __name__ == "__main__":
