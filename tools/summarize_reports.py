@@ -1,19 +1,24 @@
-"""Sum the JUnit reports of every pytest session into one closing line.
+"""Close a CI run with one line: every pytest session's JUnit report plus nox's session report.
 
-The line reads 'tests: N passed, N failed, N skipped'.
+    python tools/summarize_reports.py REPORTS_DIR NOX_REPORT.json
+
+The line reads 'tests: N passed, N failed, N skipped'. A session that failed without a pytest
+failure of its own (lint, types, docs, build, the matrix, an install) counts as one failed test,
+so the line never says 0 failed for a red run.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 
-def main(folder: str) -> int:
+def main(folder: str, nox_report: str) -> int:
     passed = failed = skipped = 0
-    reports = sorted(Path(folder).glob("*.xml"))
-    for report in reports:
+    failed_by_session: dict[str, int] = {}
+    for report in sorted(Path(folder).glob("*.xml")):
         root = ET.parse(report).getroot()
         suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
         for suite in suites:
@@ -23,10 +28,18 @@ def main(folder: str) -> int:
             passed += total - f - s
             failed += f
             skipped += s
-    print(f"sessions: {len(reports)} pytest reports")
+            failed_by_session[report.stem] = failed_by_session.get(report.stem, 0) + f
+    sessions = []
+    if Path(nox_report).exists():
+        sessions = json.loads(Path(nox_report).read_text()).get("sessions", [])
+    for session in sessions:
+        if session.get("result") in ("failed", "aborted") and not failed_by_session.get(session.get("name", "")):
+            failed += 1
+    if not sessions:
+        failed += 1  # nox never got to write its report
     print(f"tests: {passed} passed, {failed} failed, {skipped} skipped")
-    return 1 if failed or not reports or passed == 0 else 0
+    return 1 if failed or passed == 0 else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1] if len(sys.argv) > 1 else ".nox/_reports"))
+    raise SystemExit(main(sys.argv[1], sys.argv[2]))
