@@ -189,6 +189,84 @@ for _target in TARGETS:
     _verify(_target)
 
 
+# ------------------------------------------------------------------ vLLM's own tests
+UPSTREAM_TOOLS = ["tblib", "pytest-asyncio", "pytest-timeout"]
+
+
+def _upstream_tool(session: nox.Session, *args: str, last: bool = True) -> str:
+    out = str(session.run("python", str(ROOT / "tools" / "upstream.py"), *args, silent=True))
+    return out.strip().splitlines()[-1] if last else out
+
+
+def _upstream(target: str) -> None:
+    def session_fn(session: nox.Session) -> None:
+        meta = workspace.by_name()[workspace.META]
+        local, _ = workspace.local_closure(meta, extras=())
+        _install(session, target, local)
+        session.run_install(
+            "uv",
+            "pip",
+            "install",
+            "--quiet",
+            "--python",
+            _python(session),
+            *vllm_env.uv_args(),
+            *UPSTREAM_TOOLS,
+            external=True,
+        )
+        cache = str(CACHE / "upstream")
+        root = Path(_upstream_tool(session, "fetch", "--release", target, "--cache", cache))
+        home = _upstream_tool(session, "hub", "--cache", cache)
+        tests = _upstream_tool(session, "tests", "--root", str(root), last=False).split()
+        reports = Path(session.create_tmp())
+        env = {
+            **_env(target),
+            "HF_HOME": home,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "PYTHONPATH": str(ROOT / "tools"),
+        }
+        for tag, extra in (("patched", {}), ("unpatched", {"VLLM_FIXES_DISABLE": "all"})):
+            session.chdir(str(root))
+            session.run(
+                "python",
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "upstream_load_fixes",
+                "--timeout=600",
+                f"--junitxml={reports / tag}.xml",
+                *tests,
+                env={**env, **extra},
+                success_codes=[0, 1],
+            )
+        session.chdir(str(ROOT))
+        session.run(
+            "python",
+            str(ROOT / "tools" / "upstream.py"),
+            "compare",
+            "--release",
+            target,
+            "--patched",
+            str(reports / "patched.xml"),
+            "--unpatched",
+            str(reports / "unpatched.xml"),
+            "--reviewed",
+            str(ROOT / "integration" / "upstream-differences.toml"),
+        )
+
+    session_fn.__doc__ = f"vLLM {target}'s own tests of the patched modules, with and without every fix"
+    nox.session(name=f"upstream-{target}", python=PYTHON, tags=["upstream", "ci", f"vllm-{target}"])(
+        session_fn
+    )
+
+
+for _target in TARGETS:
+    _upstream(_target)
+
+
 # ------------------------------------------------------------------ the release matrix
 MATRIX_RESULTS = ROOT / "docs" / "support-matrix"
 

@@ -33,7 +33,9 @@ def main(folder: str, nox_report: str) -> int:
     if Path(nox_report).exists():
         sessions = json.loads(Path(nox_report).read_text()).get("sessions", [])
     for session in sessions:
-        if session.get("result") in ("failed", "aborted") and not failed_by_session.get(session.get("name", "")):
+        if session.get("result") in ("failed", "aborted") and not failed_by_session.get(
+            session.get("name", "")
+        ):
             failed += 1
     if not sessions:
         failed += 1  # nox never got to write its report
