@@ -218,7 +218,7 @@ def _upstream(target: str) -> None:
         root = Path(_upstream_tool(session, "fetch", "--release", target, "--cache", cache))
         home = _upstream_tool(session, "hub", "--cache", cache)
         tests = _upstream_tool(session, "tests", "--root", str(root), last=False).split()
-        reports = Path(session.create_tmp())
+        reports = Path(session.create_tmp()).resolve()
         env = {
             **_env(target),
             "HF_HOME": home,
