@@ -32,7 +32,9 @@ EXERCISED = {"completion-ownership": ("EngineCore", "Worker")}
 DISABLED = "k3-eof-flush"  # switched off by id in the fixes run: every switch of ours is set
 
 
-def run_engine(tmp: Path, tag: str, extra_env: dict[str, str]) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+def run_engine(
+    tmp: Path, tag: str, extra_env: dict[str, str]
+) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
     model = tmp / "model"
     model.mkdir(exist_ok=True)
     shutil.copy(HERE / "tiny_llama.json", model / "config.json")
