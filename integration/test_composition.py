@@ -18,7 +18,12 @@ def originals(items: list[Installed]) -> dict[tuple[str, str], Any]:
     out = {}
     for item in items:
         for target in item.fix.targets:
-            owner, attr, raw = target.resolve()
+            try:
+                owner, attr, raw = target.resolve()
+            except (ImportError, AttributeError):
+                if target.optional:  # a method this release does not have
+                    continue
+                raise
             out[(target.module, target.qualname)] = (owner, attr, raw)
     return out
 
