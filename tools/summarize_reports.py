@@ -1,10 +1,10 @@
-"""Close a CI run with one line: every pytest session's JUnit report plus nox's session report.
+"""Close a CI run with one line: every pytest session's JUnit report plus nox's session reports.
 
     python tools/summarize_reports.py REPORTS_DIR NOX_REPORT.json [NOX_REPORT.json ...]
 
 The line reads 'tests: N passed, N failed, N skipped'. A session that failed without a pytest
-failure of its own (lint, types, docs, build, the matrix, an install) counts as one failed test,
-so the line never says 0 failed for a red run.
+failure of its own (lint, types, docs, build, a matrix cell, the install) counts as one failed
+test, and so does a nox run that wrote no report, so the line never says 0 failed for a red run.
 """
 
 from __future__ import annotations
@@ -29,16 +29,14 @@ def main(folder: str, nox_reports: list[str]) -> int:
             failed += f
             skipped += s
             failed_by_session[report.stem] = failed_by_session.get(report.stem, 0) + f
-    sessions = []
-    if Path(nox_report).exists():
-        sessions = json.loads(Path(nox_report).read_text()).get("sessions", [])
-    for session in sessions:
-        if session.get("result") in ("failed", "aborted") and not failed_by_session.get(
-            session.get("name", "")
-        ):
+    for nox_report in nox_reports:
+        if not Path(nox_report).exists():
             failed += 1
-    if not sessions:
-        failed += 1  # nox never got to write its report
+            continue
+        for session in json.loads(Path(nox_report).read_text()).get("sessions", []):
+            bad = session.get("result") in ("failed", "aborted")
+            if bad and not failed_by_session.get(str(session.get("name", ""))):
+                failed += 1
     print(f"tests: {passed} passed, {failed} failed, {skipped} skipped")
     return 1 if failed or passed == 0 else 0
 
