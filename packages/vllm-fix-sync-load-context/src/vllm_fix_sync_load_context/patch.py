@@ -15,7 +15,13 @@ KNOWN_SHAPES = {
     ("686d1266f7486650", "0376dd87d5351188"): "vllm-0.32.0/0.33.0",
 }
 PRE_FORWARD_PARAMS = ["self", "scheduler_output", "input_batch", "attn_metadata"]
-CONTEXT_PARAMS = {"dp_metadata", "cudagraph_runtime_mode", "batch_descriptor", "additional_kwargs", "is_padding"}
+CONTEXT_PARAMS = {
+    "dp_metadata",
+    "cudagraph_runtime_mode",
+    "batch_descriptor",
+    "additional_kwargs",
+    "is_padding",
+}
 
 
 def _modules() -> tuple[Any, Any, Any]:
@@ -56,7 +62,7 @@ def full_branch_problem(execute_model: Any) -> str | None:
             return "the FULL branch already opens a context around pre_forward"
         pre = next(c for c in _calls(node.body) if _dotted(c.func) == "self.kv_connector.pre_forward")
         if len(pre.args) != 2 or [k.arg for k in pre.keywords] != ["attn_metadata"]:
-            return f"the FULL branch calls pre_forward({ast.unparse(pre)[len('self.kv_connector.pre_forward(') : -1]})"
+            return f"the FULL branch calls {ast.unparse(pre)}, without the input batch and attn_metadata"
         if body_calls.index("self.kv_connector.pre_forward") > max(
             (i for i, name in enumerate(body_calls) if name.endswith(".run_fullgraph")), default=-1
         ):

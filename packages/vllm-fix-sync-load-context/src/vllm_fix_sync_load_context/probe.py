@@ -262,7 +262,8 @@ def probe() -> ProbeReport:
 
     pw = Seen()
     _, pw_attn = run_step("PIECEWISE", RecordingLoader(pw), pw, config)
-    pw_ok = bool(pw.loads) and pw.loads[0]["mode"] == CUDAGraphMode.PIECEWISE and pw.loads[0]["attn_metadata"] is pw_attn
+    pw_load = pw.loads[0] if pw.loads else {}
+    pw_ok = pw_load.get("mode") == CUDAGraphMode.PIECEWISE and pw_load.get("attn_metadata") is pw_attn
 
     async_seen = Seen()
     run_step("FULL", RecordingLoader(async_seen), async_seen, config, sync=False)
