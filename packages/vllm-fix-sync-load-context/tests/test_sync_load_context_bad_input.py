@@ -43,7 +43,7 @@ def test_nothing_stays_bound_for_the_next_step() -> None:
     """After a failed FULL step, the next FULL step sees its own metadata, and a PIECEWISE step
     its own context (no leftover of the failed step's)."""
     with applied(FIX):
-        failed, timeline = _failing_step()
+        _failed, timeline = _failing_step()
         failed_metadata = timeline.loads[0]["attn_metadata"]
         for mode in ("FULL", "PIECEWISE"):
             nxt = Timeline()
