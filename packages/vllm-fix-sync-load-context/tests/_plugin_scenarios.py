@@ -61,7 +61,8 @@ def scenario(name: str) -> dict[str, Any]:
                 os.environ["VLLM_FIXES_STRICT"] = "1"
             target = __import__(TARGET, fromlist=["x"])
 
-            def drifted(self: Any, scheduler_output: Any, **kwargs: Any) -> None:
+            # A release whose pre_forward no longer names the input batch.
+            def drifted(self: Any, scheduler_output: Any, *rest: Any, **kwargs: Any) -> None:
                 return None
 
             target.ActiveKVConnector.pre_forward = drifted
