@@ -82,15 +82,17 @@ def recognize() -> str:
     kv_connector, fc, model_runner = _modules()
     cls = kv_connector.ActiveKVConnector
     pre_forward = cls.__dict__.get("pre_forward")
-    start_load = cls.__dict__.get("_start_load_kv")
-    if pre_forward is None or start_load is None:
-        raise UnknownShape("ActiveKVConnector.pre_forward / _start_load_kv are not defined on the class")
+    if pre_forward is None:
+        raise UnknownShape("ActiveKVConnector.pre_forward is not defined on the class")
     params = list(inspect.signature(pre_forward).parameters)
     if params != PRE_FORWARD_PARAMS:
         raise UnknownShape(
             f"pre_forward{tuple(params)} carries no input batch: the step's padded token count and "
             "padding mask cannot be recovered"
         )
+    start_load = cls.__dict__.get("_start_load_kv")
+    if start_load is None:
+        raise UnknownShape("ActiveKVConnector._start_load_kv is not defined on the class")
     problem = full_branch_problem(model_runner.GPUModelRunner.execute_model)
     if problem:
         raise UnknownShape(problem)

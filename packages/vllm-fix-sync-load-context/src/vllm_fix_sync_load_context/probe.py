@@ -113,13 +113,17 @@ class StandInRunner:
         self.pcp_manager = None
         self.ubatch_runner = None
         self.is_encoder_decoder = False
+        self.is_encoder_only = False  # releases up to 0.28
+        self.routed_experts_capturer = None  # releases 0.28-0.30
+        self.pp_handler = None
+        self.input_buffers = SimpleNamespace(dcp_local_seq_lens=None)
         self.uses_inputs_embeds = False
         self.supports_mm_inputs = False
         self.is_first_pp_rank = True
         self.is_last_pp_rank = True
         self.use_aux_hidden_state_outputs = False
         self.dp_size, self.dp_rank = 1, 0
-        self.dcp_size, self.dcp_rank = 1, 0
+        self.dcp_size, self.dcp_rank, self.cp_interleave = 1, 0, 1
         self.decode_query_len = 1
         self.req_states = SimpleNamespace(num_computed_tokens=SimpleNamespace(gpu=None))
         self.attn_groups: list[Any] = []
@@ -223,9 +227,14 @@ def run_step(mode_name: str, connector: Any, seen: Seen, vllm_config: Any, *, sy
 
 
 def probe_config() -> Any:
-    from vllm.config import VllmConfig
+    """A default VllmConfig (it only feeds the forward contexts); on a host where vLLM cannot
+    infer its device (a CPU box with a CUDA build) the device is named."""
+    from vllm.config import DeviceConfig, VllmConfig
 
-    return VllmConfig()
+    try:
+        return VllmConfig()
+    except RuntimeError:
+        return VllmConfig(device_config=DeviceConfig("cpu"))
 
 
 def _describe(load: dict[str, Any], attn: Any) -> str:
