@@ -8,16 +8,38 @@ counts are known without asking the other ranks.
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
 from typing import Any
+
+_modules: tuple[ModuleType, ...] | None = None
+
+
+def _vllm() -> tuple[ModuleType, ...]:
+    """(torch, vllm.config, vllm.forward_context, vllm.platforms), imported once.
+
+    Modules, not their functions, are kept: a name looked up on the module at call time is
+    whatever is installed then (another fix may wrap it)."""
+    global _modules
+    if _modules is None:
+        import torch
+        import vllm.config
+        import vllm.forward_context
+        import vllm.platforms
+
+        _modules = (torch, vllm.config, vllm.forward_context, vllm.platforms)
+    return _modules
+
+
+@functools.lru_cache(maxsize=1024)
+def _batch_descriptor(cls: Any, num_tokens: int, num_reqs: int | None, has_lora: bool) -> Any:
+    # Frozen and hashable; a FULL graph is one of a few captured sizes, so one per size is kept.
+    return cls(num_tokens=num_tokens, num_reqs=num_reqs, has_lora=has_lora)
 
 
 def full_step_context(vllm_config: Any, attn_metadata: Any, input_batch: Any) -> Any:
     """A ForwardContext for the FULL replay of `input_batch` (vLLM's own ForwardContext type)."""
-    import torch
-    from vllm.config import CUDAGraphMode
-    from vllm.forward_context import BatchDescriptor, DPMetadata, create_forward_context
-    from vllm.platforms import current_platform
-
+    torch, config, fc, platforms = _modules or _vllm()
     num_tokens = int(input_batch.num_tokens_after_padding)
     parallel = vllm_config.parallel_config
     dp_size = int(parallel.data_parallel_size)
@@ -27,14 +49,15 @@ def full_step_context(vllm_config: Any, attn_metadata: Any, input_batch: Any) ->
         parallel.is_moe_model is not False
     ):
         num_tokens_across_dp = torch.full((dp_size,), num_tokens, dtype=torch.int32)
-        dp_metadata = DPMetadata.make(parallel, num_tokens, num_tokens_across_dp)
-    batch_descriptor = BatchDescriptor(
-        num_tokens=num_tokens,
-        num_reqs=getattr(input_batch, "num_reqs_after_padding", None),
-        has_lora=vllm_config.lora_config is not None,
+        dp_metadata = fc.DPMetadata.make(parallel, num_tokens, num_tokens_across_dp)
+    batch_descriptor = _batch_descriptor(
+        fc.BatchDescriptor,
+        num_tokens,
+        getattr(input_batch, "num_reqs_after_padding", None),
+        vllm_config.lora_config is not None,
     )
-    mode = CUDAGraphMode.FULL
-    additional = current_platform.set_additional_forward_context(
+    mode = config.CUDAGraphMode.FULL
+    additional = platforms.current_platform.set_additional_forward_context(
         attn_metadata=attn_metadata,
         vllm_config=vllm_config,
         dp_metadata=dp_metadata,
@@ -44,7 +67,7 @@ def full_step_context(vllm_config: Any, attn_metadata: Any, input_batch: Any) ->
         batch_descriptor=batch_descriptor,
         ubatch_slices=None,
     )
-    return create_forward_context(
+    return fc.create_forward_context(
         attn_metadata,
         vllm_config,
         dp_metadata=dp_metadata,
