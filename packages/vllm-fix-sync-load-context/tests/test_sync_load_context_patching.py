@@ -124,3 +124,43 @@ def test_refuses_an_execute_model_of_another_shape(
     )
     problem = full_branch_problem(fn)
     assert problem is not None and reason in problem
+
+
+@pytest.mark.parametrize("order", ["other-first", "fix-first"])
+def test_composes_with_another_layer_on_active_kv_connector(order: str) -> None:
+    """Another fix wrapping ActiveKVConnector (pre_forward itself, and a method next to it):
+    either order, the fix still works, and each reverts alone to the exact objects."""
+    from vllm_fix_core import PatchSet
+    from vllm_fix_testing.runner import RecordingLoader, Timeline, run_step
+
+    cls = _active()
+    originals = {name: static_lookup(cls, name) for name in ("pre_forward", "post_forward")}
+    calls: list[str] = []
+
+    def passthrough(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        calls.append(wrapped.__name__)
+        return wrapped(*args, **kwargs)
+
+    other = PatchSet("other-fix")
+
+    def apply_other() -> None:
+        other.wrap(cls, "pre_forward", passthrough)
+        other.wrap(cls, "post_forward", passthrough)
+
+    try:
+        if order == "other-first":
+            apply_other()
+        assert runtime.apply(FIX, STRICT).rung is Rung.APPLIED
+        if order == "fix-first":
+            apply_other()
+        calls.clear()  # the probe ran through the other layer too
+        timeline = Timeline()
+        runner = run_step(RecordingLoader(timeline))
+        assert timeline.loads[0]["attn_metadata"] is runner.attn_metadata
+        assert calls == ["pre_forward"]
+        runtime.revert(FIX)
+        assert layers_of(cls, "pre_forward") == ["other-fix"]
+    finally:
+        runtime.revert(FIX)
+        other.revert()
+    assert {name: cls.__dict__[name] for name in originals} == originals

@@ -9,6 +9,7 @@ replay that records what it saw. Everything between those calls is vLLM's own co
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -226,9 +227,12 @@ def run_step(mode_name: str, connector: Any, seen: Seen, vllm_config: Any, *, sy
     return batch, attn
 
 
+@functools.lru_cache(maxsize=1)
 def probe_config() -> Any:
-    """A default VllmConfig (it only feeds the forward contexts); on a host where vLLM cannot
-    infer its device (a CPU box with a CUDA build) the device is named."""
+    """A default VllmConfig (it only feeds the forward contexts), one per process: never the
+    running engine's own config, whose DP settings could make vLLM's own context code run a
+    collective. On a host where vLLM cannot infer its device (a CPU box with a CUDA build)
+    the device is named."""
     from vllm.config import DeviceConfig, VllmConfig
 
     try:
