@@ -1,0 +1,54 @@
+"""The one declaration of this fix: runtime, tests, CLI and docs read it."""
+
+from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+
+MODULE = "vllm.v1.worker.gpu.kv_connector"
+
+FIX = Fix(
+    id="sync-load-context",
+    title="MRV2 FULL cudagraph synchronous-load context",
+    distribution="vllm-fix-sync-load-context",
+    upstream=(Upstream(60636, UpstreamStatus.PENDING),),
+    why=(
+        "With the V2 model runner, a step that replays a FULL CUDA graph starts its synchronous "
+        "KV loads outside any forward context, so the connector's start_load_kv sees "
+        "cudagraph_runtime_mode=NONE and attn_metadata=None while the step actually replays a "
+        "FULL graph (where no per-layer wait_for_layer_load can run). Connectors that read the "
+        "context then do the wrong thing: ExampleConnector and the native LMCache adapter skip "
+        "the load ('attn_metadata is None') and the request decodes on blocks nothing wrote; "
+        "the MoRIIO READ consumer of vLLM 0.32.0 leaves its attention READs to per-layer waits "
+        "that never run, so the graph replays while RDMA is still writing the KV. Silent wrong "
+        "output, no error. This hits disaggregated decode instances (their first step per "
+        "request is a synchronous load on a uniform-decode batch) at the default "
+        "FULL_AND_PIECEWISE cudagraph mode."
+    ),
+    how=(
+        "Wrap ActiveKVConnector.pre_forward: when the runner calls it with an input batch and no "
+        "forward context is set (the FULL-replay branch) and the step has synchronous loads, "
+        "run it under override_forward_context(create_forward_context(...)) built from the "
+        "step's own attn_metadata, cudagraph_runtime_mode=FULL, a batch descriptor of the padded "
+        "batch, the step's is_padding mask, and DP metadata from the padded token count every "
+        "DP rank already agreed on (no collective). The context is closed before the replay, "
+        "also when the connector raises. PIECEWISE/NONE steps, async loads and no-forward "
+        "steps are delegated untouched."
+    ),
+    retire_when=(
+        "vLLM's GPUModelRunner.execute_model opens a forward context around the FULL branch's "
+        "pre_forward itself (the probe then reports 'fixed upstream' and nothing is patched); "
+        "drop the package once every supported vLLM release does."
+    ),
+    targets=(Target(MODULE, "ActiveKVConnector.pre_forward", ProcessKind.WORKER),),
+    # The runner module imports kv_connector; deciding once it is fully imported lets the
+    # probe run the real GPUModelRunner.execute_model.
+    trigger="vllm.v1.worker.gpu.model_runner",
+    probe="vllm_fix_sync_load_context.probe:probe",
+    recognize="vllm_fix_sync_load_context.patch:recognize",
+    apply="vllm_fix_sync_load_context.patch:apply",
+    spec="connector-runner.md, Concern 2",
+    notes=(
+        "slot_mapping and ubatch_slices of the step are not reachable from pre_forward and are "
+        "left empty; no in-tree connector reads them in start_load_kv.",
+        "Connectors still have to finish their loads in start_load_kv when they see FULL "
+        "(per-layer waits cannot run inside a replay); the fix makes sure they are told.",
+    ),
+)
