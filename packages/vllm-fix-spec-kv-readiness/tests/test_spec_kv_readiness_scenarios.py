@@ -193,3 +193,19 @@ def test_unknown_sample_tokens_order_is_refused(drift: str, monkeypatch: pytest.
         pytest.skip("the other release's shape")
     with pytest.raises(UnknownShape):
         patch.recognize()
+
+
+def test_a_failing_draft_loses_no_completion() -> None:
+    """Bad input: the draft forward raises mid-step. That step produces no output, but the saves
+    it had issued are reported by the next step, once, and nothing stays pending in the fix."""
+    with applied(FIX):
+        spec = runner()
+        first = spec.step()
+        assert spec.drafter is not None
+        spec.drafter.error = RuntimeError("draft forward failed")
+        with pytest.raises(RuntimeError, match="draft forward failed"):
+            spec.step()
+        third = spec.step()
+    assert finished(first) == {"t1", "d1"}
+    assert finished(third) == {"t2", "t3", "d3"}
+    assert third.log.count(DRAIN) == 1

@@ -223,12 +223,16 @@ class Drafter:
     def __init__(self, runner: SpecRunner) -> None:
         self.runner = runner
         self.draft_done: Any = None
+        self.error: Exception | None = None  # raised by the next propose (a failing draft forward)
 
     def propose(self, input_batch: Any, attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
         import torch
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         runner = self.runner
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
         if runner.device == "cuda":
             torch.cuda._sleep(runner.draft_sleep_cycles)
             runner.draft_kv.fill_(runner.step_index)
