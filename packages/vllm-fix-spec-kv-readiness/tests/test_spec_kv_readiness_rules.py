@@ -9,7 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_fix_spec_kv_readiness.readiness import StepDone, copy_into, needs_step_done, publishes_for_remote_read
+from vllm_fix_spec_kv_readiness.readiness import (
+    StepDone,
+    copy_into,
+    needs_step_done,
+    publishes_for_remote_read,
+)
 
 
 def built(cls: type, *, role: str, **attrs: Any) -> Any:

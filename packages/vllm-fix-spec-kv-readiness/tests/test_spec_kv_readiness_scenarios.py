@@ -167,7 +167,9 @@ def test_recognized_shape_names_the_release() -> None:
     from vllm_fix_spec_kv_readiness.patch import recognize
 
     shape = recognize()
-    assert shape == ("deferred-finalize, vllm-0.33.0" if V033 else "post-forward-after-draft, vllm-0.31.0..0.32.0")
+    assert shape == (
+        "deferred-finalize, vllm-0.33.0" if V033 else "post-forward-after-draft, vllm-0.31.0..0.32.0"
+    )
 
 
 @pytest.mark.parametrize("drift", ["finalize-before-propose", "post-forward-before-propose"])
@@ -186,7 +188,7 @@ def test_unknown_sample_tokens_order_is_refused(drift: str, monkeypatch: pytest.
             pytest.skip(f"{moved} is not called by this release's sample_tokens")
         keep = [c for c in order if c[0] != moved]
         first = next(c for c in order if c[0] == moved)
-        return [first] + keep
+        return [first, *keep]
 
     monkeypatch.setattr(patch, "call_order", drifted)
     if (drift == "finalize-before-propose") != V033:

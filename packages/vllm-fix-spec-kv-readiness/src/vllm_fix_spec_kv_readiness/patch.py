@@ -57,7 +57,9 @@ def call_order(func: Any) -> list[tuple[str, frozenset[str]]]:
     return [(name, keywords) for _, _, name, keywords in calls]
 
 
-def _index(order: list[tuple[str, frozenset[str]]], name: str, *, keyword: str = "", last: bool = False) -> int:
+def _index(
+    order: list[tuple[str, frozenset[str]]], name: str, *, keyword: str = "", last: bool = False
+) -> int:
     found = [i for i, (n, kw) in enumerate(order) if n == name and (not keyword or keyword in kw)]
     if not found:
         return -1
@@ -143,7 +145,9 @@ def _finalize_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
     return None
 
 
-def _post_forward_after_draft(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _post_forward_after_draft(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     output = wrapped(*args, **kwargs)
     if output is not None and instance is not None and needs_step_done(instance):
         STEP_DONE.attach(output, record_step_done())

@@ -115,7 +115,9 @@ class Connector:
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         sending, _ = self.get_finished(finished_req_ids)
-        return SimpleNamespace(finished_sending=set(sending or ()), finished_recving=set(), failed_recving=set())
+        return SimpleNamespace(
+            finished_sending=set(sending or ()), finished_recving=set(), failed_recving=set()
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._log("invalid_blocks_collected")
@@ -242,7 +244,7 @@ def runner(active: Any, drafter: Drafter | None, num_spec: int = 1) -> Any:
         sampling_mask_tensors=None,
         num_rejected=num_rejected,
     )
-    self = Runner()
+    self: Any = Runner()
     self.execute_model_state = SimpleNamespace(
         input_batch=batch,
         attn_metadata={},
@@ -359,7 +361,9 @@ def probe() -> ProbeReport:
             Check(
                 "output-visible-before-draft-kv",
                 not ready,
-                "" if ready else f"get_output waited on {waited}, draft's last kernel at {last_kernel}; order {log}",
+                ""
+                if ready
+                else f"get_output waited on {waited}, draft's last kernel at {last_kernel}; order {log}",
             ),
             Check(
                 "transfer-results-drained-once",

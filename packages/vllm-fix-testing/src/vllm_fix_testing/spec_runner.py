@@ -89,7 +89,9 @@ def recording_connector(*, read_publisher: bool) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(is_kv_producer=True, kv_role="kv_producer", kv_connector="Recording")
+        kv_transfer_config=SimpleNamespace(
+            is_kv_producer=True, kv_role="kv_producer", kv_connector="Recording"
+        )
     )
     connector = _CONNECTOR_CLASS(config, KVConnectorRole.WORKER, None)
     connector.requires_full_step_completion = read_publisher
@@ -303,7 +305,7 @@ class SpecRunner:
             sampling_mask_tensors=None,
             num_rejected=num_rejected,
         )
-        s = RunnerSelf()
+        s: Any = RunnerSelf()
         s.execute_model_state = SimpleNamespace(
             input_batch=batch,
             attn_metadata={},
