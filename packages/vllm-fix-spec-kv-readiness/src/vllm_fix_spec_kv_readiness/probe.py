@@ -166,6 +166,16 @@ class Runner:
         return None
 
 
+class StepState(SimpleNamespace):
+    """What execute_model leaves for sample_tokens; fields a release adds that the step does not
+    use (data-parallel sync state, say) read as None."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _Model:
     def compute_logits(self, hidden_states: Any) -> Any:
         return hidden_states
@@ -212,15 +222,30 @@ def async_output_class(base: type, step: Step) -> type:
 
 
 def active_connector(connector: Connector, speculative: bool) -> Any:
-    """vLLM's real ActiveKVConnector over `connector` (built like vLLM's tests build one)."""
+    """vLLM's real ActiveKVConnector over `connector`, without its __init__ (which reaches for
+    the process-wide KV transfer agent): per-step state a release keeps in attributes this
+    probe does not set reads as None (nothing pending)."""
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
-    active = ActiveKVConnector.__new__(ActiveKVConnector)
+    cls = _PROBE_ACTIVE.get(ActiveKVConnector)
+    if cls is None:
+
+        class ProbeActiveKVConnector(ActiveKVConnector):  # type: ignore[misc, valid-type]
+            def __getattr__(self, name: str) -> Any:
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return None
+
+        cls = _PROBE_ACTIVE[ActiveKVConnector] = ProbeActiveKVConnector
+    active = cls.__new__(cls)
     active.vllm_config = SimpleNamespace(speculative_config=object() if speculative else None)
     active.kv_connector = connector
     active._pending_load_kwargs = None
     active._disabled = False
     return active
+
+
+_PROBE_ACTIVE: dict[type, type] = {}
 
 
 def runner(active: Any, drafter: Drafter | None, num_spec: int = 1) -> Any:
@@ -245,7 +270,7 @@ def runner(active: Any, drafter: Drafter | None, num_spec: int = 1) -> Any:
         num_rejected=num_rejected,
     )
     self: Any = Runner()
-    self.execute_model_state = SimpleNamespace(
+    self.execute_model_state = StepState(
         input_batch=batch,
         attn_metadata={},
         slot_mappings_by_layer={},

@@ -185,6 +185,16 @@ class StepResult:
     draft_done_at_output: bool | None = None  # cuda only: had the draft kernel finished?
 
 
+class StepState(SimpleNamespace):
+    """What execute_model leaves for sample_tokens; fields a release adds that the step does not
+    use (data-parallel sync state, say) read as None."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _Model:
     def compute_logits(self, hidden_states: Any) -> Any:
         return hidden_states
@@ -306,7 +316,7 @@ class SpecRunner:
             num_rejected=num_rejected,
         )
         s: Any = RunnerSelf()
-        s.execute_model_state = SimpleNamespace(
+        s.execute_model_state = StepState(
             input_batch=batch,
             attn_metadata={},
             slot_mappings_by_layer={},
