@@ -227,7 +227,7 @@ def active_connector(connector: Connector, speculative: bool) -> Any:
     probe does not set reads as None (nothing pending)."""
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
-    cls = _PROBE_ACTIVE.get(ActiveKVConnector)
+    cls: Any = _PROBE_ACTIVE.get(ActiveKVConnector)
     if cls is None:
 
         class ProbeActiveKVConnector(ActiveKVConnector):  # type: ignore[misc, valid-type]
