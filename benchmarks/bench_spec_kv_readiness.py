@@ -1,6 +1,7 @@
 """spec-kv-readiness: patched / unpatched per-step cost, in one process.
 
-Two levels, both interleaved (unpatched round, patched round, ...) with medians:
+Two levels, both interleaved (unpatched round, patched round, ...), the median of every
+call timed on its own:
  1. the patched hot path alone, per speculative step: ActiveKVConnector.post_forward
     (+ finalize_step on 0.33.0) and AsyncOutput.get_output, the real methods over a recording
     connector, for a connector that publishes blocks for READ (the one that waits) and one
@@ -20,14 +21,12 @@ is not an overhead this script can measure.
 
 from __future__ import annotations
 
+import gc
 import logging
-import sys
-from pathlib import Path
+import statistics
+import time
 from types import SimpleNamespace
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import interleaved
 
 from vllm_fix_core import runtime
 from vllm_fix_spec_kv_readiness import FIX, readiness
@@ -37,10 +36,36 @@ from vllm_fix_testing.spec_runner import TARGET_LAYER, Event, SpecRunner, StepLo
 
 def apply() -> None:
     runtime.apply(FIX, STRICT)
+    gc.collect()  # the ladder's probe leaves garbage; collect it outside the timed round
 
 
 def revert() -> None:
     runtime.revert(FIX)
+    gc.collect()
+
+
+def interleaved_p50(fn: Any, *, rounds: int, calls: int) -> tuple[float, float]:
+    """Median seconds per call (unpatched, patched) over every call of alternating rounds.
+
+    Each call is timed on its own and the median taken: on a shared machine a step is now and
+    then preempted for milliseconds, which a mean would charge to whichever arm it hit. The
+    garbage collector is off while timing (as timeit does) and run between rounds.
+    """
+    a: list[float] = []
+    b: list[float] = []
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for arm, switch in ((a, revert), (b, apply)):
+                switch()
+                for _ in range(calls):
+                    start = time.perf_counter()
+                    fn()
+                    arm.append(time.perf_counter() - start)
+    finally:
+        revert()
+        gc.enable()
+    return statistics.median(a), statistics.median(b)
 
 
 def hot_path(read_publisher: bool) -> Any:
@@ -89,7 +114,7 @@ def main() -> int:
     print(f"vLLM {vllm_version()}")
     for read_publisher in (True, False):
         step = hot_path(read_publisher)
-        a, b = interleaved(step, step, apply=apply, revert=revert, rounds=30, calls=300)
+        a, b = interleaved_p50(step, rounds=20, calls=300)
         who = "READ publisher (waits)" if read_publisher else "other connector (overlap kept)"
         print(
             f"hot path per speculative step, {who}: unpatched {a * 1e6:.1f} us, "
@@ -98,7 +123,7 @@ def main() -> int:
     readiness.override_events(None)
     for read_publisher in (True, False):
         spec = SpecRunner(read_publisher=read_publisher, event_seam=readiness.override_events)
-        a, b = interleaved(spec.step, spec.step, apply=apply, revert=revert, rounds=30, calls=100)
+        a, b = interleaved_p50(spec.step, rounds=20, calls=150)
         who = "READ publisher" if read_publisher else "other connector"
         print(
             f"model-runner step (real sample_tokens, recorded replay, no device work), {who}: "

@@ -107,6 +107,8 @@ _PENDING: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDicti
 
 
 def _post_forward_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    if len(args) == 1 and not kwargs:  # post_forward(finished_req_ids): the common call
+        return args[0], False
     finished = args[0] if args else kwargs.get("finished_req_ids")
     defer = args[1] if len(args) > 1 else kwargs.get("defer_finalize", False)
     return finished, bool(defer)

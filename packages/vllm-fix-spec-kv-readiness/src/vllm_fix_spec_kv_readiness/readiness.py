@@ -155,8 +155,8 @@ STEP_DONE = StepDone()
 
 def copy_into(placeholder: Any, fresh: Any) -> None:
     """Fill the output the runner already holds with the fields of the step's real output."""
-    if dataclasses.is_dataclass(fresh) and not isinstance(fresh, type):
+    if type(placeholder) is type(fresh) and hasattr(fresh, "__dict__"):
+        placeholder.__dict__.update(fresh.__dict__)  # a plain dataclass: one C-level copy
+    else:
         for field in dataclasses.fields(fresh):
             setattr(placeholder, field.name, getattr(fresh, field.name))
-    else:
-        vars(placeholder).update(vars(fresh))
