@@ -357,6 +357,7 @@ class SpecRunner:
         return s, batch
 
     _stream: Any = None
+    _cpu_output: Any = None
 
     def _copy_stream(self) -> Any:
         import torch
@@ -393,7 +394,10 @@ class SpecRunner:
         from vllm.v1.worker.gpu import model_runner
 
         real = model_runner.AsyncOutput
-        model_runner.AsyncOutput = cpu_async_output(real, log)
+        if self._cpu_output is None or self._cpu_output.__mro__[1] is not real:
+            self._cpu_output = cpu_async_output(real, log)
+        self._cpu_output.log = log
+        model_runner.AsyncOutput = self._cpu_output
         if self.event_seam is not None:
             self.event_seam(lambda: Event("step-done", log))
         try:
@@ -404,9 +408,10 @@ class SpecRunner:
             model_runner.AsyncOutput = real
 
 
-def cpu_async_output(base: type, log: StepLog) -> type:
+def cpu_async_output(base: type, log: StepLog) -> Any:
     """vLLM's AsyncOutput with a constructor a CPU can run (host copies, the copy event recorded
-    where vLLM records it); get_output is inherited, so the installed one runs."""
+    where vLLM records it); get_output is inherited, so the installed one runs. The class's
+    ``log`` is the step being recorded (a runner reuses the class and sets it per step)."""
 
     class CpuAsyncOutput(base):  # type: ignore[misc, valid-type]
         def __init__(self, model_runner_output: Any, sampler_output: Any, num_sampled_tokens: Any, **_: Any):
@@ -415,7 +420,7 @@ def cpu_async_output(base: type, log: StepLog) -> type:
             self.num_sampled_tokens_np = num_sampled_tokens.numpy()
             self.prompt_logprobs_dict: dict[str, Any] = {}
             self.prompt_token_id_logprobs_dict: dict[str, Any] = {}
-            self.copy_event = Event("copy", log)
+            self.copy_event = Event("copy", type(self).log)
             self.copy_event.record()
 
         def __getattr__(self, name: str) -> Any:
@@ -423,4 +428,5 @@ def cpu_async_output(base: type, log: StepLog) -> type:
                 raise AttributeError(name)
             return None
 
+    CpuAsyncOutput.log = log
     return CpuAsyncOutput
