@@ -1,0 +1,179 @@
+"""Apply: wrappers around ActiveKVConnector.post_forward / finalize_step and AsyncOutput.get_output.
+
+Two shapes of MRV2 ``sample_tokens`` exist:
+
+* ``deferred-finalize`` (0.33.0): ``post_forward(..., defer_finalize=True)`` runs before the
+  draft forward and drains the step's transfer results there; ``finalize_step()`` runs
+  ``wait_for_save`` after the draft. Patched, the deferred ``post_forward`` starts pending
+  async loads (as vLLM does) and returns an empty output object that the runner stores in its
+  ``ModelRunnerOutput``; ``finalize_step`` then runs vLLM's own non-deferred ``post_forward``
+  (``wait_for_save``, one drain, clear metadata: exactly a non-speculative step's order) and
+  fills that object in.
+* ``post-forward-after-draft`` (0.24.0 - 0.32.0): ``post_forward`` already runs after the draft;
+  only readiness is missing.
+
+Readiness (both shapes): for connectors that publish blocks for a remote READ, a device event
+is recorded after the step's last draft kernel and ``AsyncOutput.get_output`` waits on it.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import weakref
+from typing import Any
+
+from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger, original_of
+from vllm_fix_spec_kv_readiness.readiness import STEP_DONE, copy_into, needs_step_done, record_step_done
+
+DEFERRED = "deferred-finalize"
+AFTER_DRAFT = "post-forward-after-draft"
+
+# Normalized-AST fingerprints (vllm_fix_core.ast_fingerprint) of ActiveKVConnector.post_forward.
+KNOWN_SHAPES = {
+    "bac407be37d1c7cb": "vllm-0.24.0..0.28.0",
+    "0ff3ef7dac6338fe": "vllm-0.31.0..0.32.0",
+    "3199ac3deda0aedb": "vllm-0.33.0",
+}
+_logger = get_logger("spec-kv-readiness")
+
+
+def _modules() -> tuple[Any, Any, Any]:
+    from vllm.v1.worker.gpu import async_utils, kv_connector, model_runner
+
+    return kv_connector, async_utils, model_runner
+
+
+def call_order(func: Any) -> list[tuple[str, frozenset[str]]]:
+    """Calls in `func`'s body in source order: (called name, keyword names)."""
+    calls = []
+    for node in ast.walk(function_ast(func)):
+        if isinstance(node, ast.Call):
+            target = node.func
+            name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+            keywords = frozenset(k.arg for k in node.keywords if k.arg)
+            calls.append((node.lineno, node.col_offset, name, keywords))
+    calls.sort(key=lambda c: (c[0], c[1]))
+    return [(name, keywords) for _, _, name, keywords in calls]
+
+
+def _index(
+    order: list[tuple[str, frozenset[str]]], name: str, *, keyword: str = "", last: bool = False
+) -> int:
+    found = [i for i, (n, kw) in enumerate(order) if n == name and (not keyword or keyword in kw)]
+    if not found:
+        return -1
+    return found[-1] if last else found[0]
+
+
+def recognize() -> str:
+    kvc, au, mr = _modules()
+    cls = kvc.ActiveKVConnector
+    if "post_forward" not in cls.__dict__:
+        raise UnknownShape("ActiveKVConnector.post_forward is not defined on the class")
+    post = original_of(cls, "post_forward")
+    if "get_output" not in au.AsyncOutput.__dict__:
+        raise UnknownShape("AsyncOutput.get_output is not defined on the class")
+    params = list(inspect.signature(post).parameters)
+    if params[:2] != ["self", "finished_req_ids"]:
+        raise UnknownShape(f"unexpected signature post_forward{tuple(params)}")
+    order = call_order(mr.GPUModelRunner.sample_tokens)
+    propose = _index(order, "propose")
+    output = _index(order, "AsyncOutput")
+    if propose < 0 or output < 0 or output > propose:
+        raise UnknownShape("sample_tokens no longer builds AsyncOutput before the drafter's propose()")
+    source = inspect.getsource(post)
+    for needed in ("wait_for_save", "clear_connector_metadata", "self._disabled"):
+        if needed not in source:
+            raise UnknownShape(f"post_forward no longer calls/reads {needed}")
+    if "finalize_step" in cls.__dict__:
+        deferred = _index(order, "post_forward", keyword="defer_finalize")
+        finalize = _index(order, "finalize_step")
+        if "defer_finalize" not in params or not 0 <= deferred < propose < finalize:
+            raise UnknownShape(
+                "ActiveKVConnector.finalize_step exists but sample_tokens does not run "
+                "post_forward(defer_finalize=...) -> propose() -> finalize_step()"
+            )
+        shape = DEFERRED
+    else:
+        if _index(order, "post_forward", last=True) < propose:
+            raise UnknownShape("sample_tokens collects the KV connector output before the drafter runs")
+        shape = AFTER_DRAFT
+    return f"{shape}, {KNOWN_SHAPES.get(ast_fingerprint(post), 'structural')}"
+
+
+# Per ActiveKVConnector: the output handed out by a deferred post_forward, and its finished ids.
+_PENDING: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _post_forward_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    if len(args) == 1 and not kwargs:  # post_forward(finished_req_ids): the common call
+        return args[0], False
+    finished = args[0] if args else kwargs.get("finished_req_ids")
+    defer = args[1] if len(args) > 1 else kwargs.get("defer_finalize", False)
+    return finished, bool(defer)
+
+
+def _deferred_post_forward(output_cls: Any, starts_loads: bool) -> Any:
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if instance is None:
+            return wrapped(*args, **kwargs)
+        finished, defer = _post_forward_args(args, kwargs)
+        if not defer or instance._disabled:
+            return wrapped(*args, **kwargs)
+        # Async loads start now, as vLLM does; the drain waits for finalize_step.
+        if starts_loads and instance._pending_load_kwargs is not None:
+            instance._start_load_kv()
+        placeholder = output_cls()
+        # A step whose draft raised never finalized: its results were not drained, so they
+        # are still in the connector and the next drain reports them.
+        _PENDING[instance] = (placeholder, finished)
+        return placeholder
+
+    return wrapper
+
+
+def _finalize_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    pending = _PENDING.pop(instance, None) if instance is not None else None
+    if pending is None or instance._disabled:
+        return wrapped(*args, **kwargs)
+    placeholder, finished = pending
+    # vLLM's own non-deferred post_forward: wait_for_save, one drain, clear the metadata.
+    fresh = instance.post_forward(finished)
+    if fresh is not None:
+        copy_into(placeholder, fresh)
+    if needs_step_done(instance):
+        STEP_DONE.attach(placeholder, record_step_done())
+    return None
+
+
+def _post_forward_after_draft(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    output = wrapped(*args, **kwargs)
+    if output is not None and instance is not None and needs_step_done(instance):
+        STEP_DONE.attach(output, record_step_done())
+    return output
+
+
+def _get_output(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    runner_output = getattr(instance, "model_runner_output", None)
+    event = STEP_DONE.take(getattr(runner_output, "kv_connector_output", None))
+    if event is not None:
+        event.synchronize()  # the step's draft KV is on the device before anyone sees the output
+    return result
+
+
+def apply(patch: PatchSet, shape: str) -> None:
+    kvc, au, _ = _modules()
+    cls = kvc.ActiveKVConnector
+    if shape.startswith(DEFERRED):
+        from vllm.v1.outputs import KVConnectorOutput
+
+        starts_loads = "_pending_load_kwargs" in inspect.getsource(original_of(cls, "post_forward"))
+        patch.wrap(cls, "post_forward", _deferred_post_forward(KVConnectorOutput, starts_loads))
+        patch.wrap(cls, "finalize_step", _finalize_step)
+    else:
+        patch.wrap(cls, "post_forward", _post_forward_after_draft)
+    patch.wrap(au.AsyncOutput, "get_output", _get_output)
