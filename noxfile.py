@@ -12,6 +12,7 @@ tools/vllm_env.py for how they are installed.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import sys
@@ -58,12 +59,17 @@ def _base(session: nox.Session, target: str) -> Path:
     # checkouts that share .nox/_cache share the base instead of rebuilding it for each other.
     key = json.dumps(commands).replace(str(ROOT), "<root>")
     marker = base / ".complete"
-    if not marker.exists() or marker.read_text() != key:
-        shutil.rmtree(base, ignore_errors=True)
-        session.run("uv", "venv", "-q", "--python", PYTHON, str(base), external=True)
-        for cmd in commands:
-            session.run(*cmd, external=True, silent=True)
-        marker.write_text(key)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # One builder at a time: a session that finds the base being built waits for it instead of
+    # deleting it (sessions in parallel lanes, or worktrees sharing the cache).
+    with open(CACHE / f"base-{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not marker.exists() or marker.read_text() != key:
+            shutil.rmtree(base, ignore_errors=True)
+            session.run("uv", "venv", "-q", "--python", PYTHON, str(base), external=True)
+            for cmd in commands:
+                session.run(*cmd, external=True, silent=True)
+            marker.write_text(key)
     return _site_packages(base)
 
 
