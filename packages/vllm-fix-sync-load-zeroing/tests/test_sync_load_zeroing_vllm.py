@@ -26,8 +26,8 @@ from vllm_fix_sync_load_zeroing.probe import (
 from vllm_fix_testing import applied, assert_hostile_wrapper_fails, vllm_version
 
 VERSION = vllm_version()
-HAS_EXCLUSION = VERSION >= Version("0.32.0")  # build_connector_meta excludes READ destinations
-HEAD_SLICE_READ = VERSION >= Version("0.33.0")  # MoRIIO READs non-dense layouts head by head
+HAS_EXCLUSION = Version("0.32.0") <= VERSION  # build_connector_meta excludes READ destinations
+HEAD_SLICE_READ = Version("0.33.0") <= VERSION  # MoRIIO READs non-dense layouts head by head
 LENIENT = Settings(disabled=frozenset(), strict=False)
 
 
@@ -62,7 +62,11 @@ def test_hybrid_layouts_are_the_block_compact_ones() -> None:
 def test_layout_coverage_table() -> None:
     """Spec §4.2, computed from this vLLM: layer- and block-compact layouts are always rewritten
     whole; LHBNC and BHLNC only where MoRIIO's READ copies head slices (0.33.0)."""
-    covered = {name for name in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC") if read_rewrites_zeroed_bytes(name, attention_spec())}
+    covered = {
+        name
+        for name in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+        if read_rewrites_zeroed_bytes(name, attention_spec())
+    }
     expected = {"LBHNC", "LBNHC", "BLHNC", "BLNHC"} | ({"LHBNC", "BHLNC"} if HEAD_SLICE_READ else set())
     assert covered == expected
 
@@ -265,7 +269,12 @@ def test_fork_api_patched_follows_the_table(fork: Any, case: Case, layout: str) 
 
 def test_fork_api_producer_with_pending_reads_excludes_nothing(fork: Any) -> None:
     with applied(FIX):
-        assert fork_connector(fork, Case("p", consumer=False, pending=(((7, 8), (90,)),)), "LBHNC").get_sync_load_block_ids() == []
+        assert (
+            fork_connector(
+                fork, Case("p", consumer=False, pending=(((7, 8), (90,)),)), "LBHNC"
+            ).get_sync_load_block_ids()
+            == []
+        )
 
 
 def test_fork_api_uncovered_layout_excludes_nothing(fork: Any) -> None:

@@ -31,7 +31,9 @@ _ZERO_WORD = 4
 _PAGE = 4096
 
 
-def read_rewrites_zeroed_bytes(layout_name: Any, spec: Any, skipped_layers: frozenset[int] = frozenset()) -> bool:
+def read_rewrites_zeroed_bytes(
+    layout_name: Any, spec: Any, skipped_layers: frozenset[int] = frozenset()
+) -> bool:
     """True iff, under `layout_name`, a READ of a block's attention pages (every layer of the
     group but `skipped_layers`) rewrites every byte the zeroer zeroes for that block."""
     if not isinstance(layout_name, str) or spec is None:
@@ -67,14 +69,14 @@ def byte_ranges(
     from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
 
     shape = (TOY_LAYERS, *compute_layer_kv_cache_shape_bytes(spec, TOY_BLOCKS))
-    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
     size = -(-extent // _PAGE) * _PAGE
     raw = torch.zeros(size, dtype=torch.int8)
     names = [f"model.layers.{i}.attn" for i in range(TOY_LAYERS)]
     tensor = KVCacheTensor(size=size, layers=names, layer_stride=strides[0], block_stride=strides[1])
     views = create_kv_cache_views(raw, spec, TOY_BLOCKS, layout, tensor)
     group = AttentionGroup(backend=None, layer_names=names, kv_cache_spec=spec, kv_cache_group_id=0)
-    context = {name: SimpleNamespace(kv_cache=view) for name, view in zip(names, views)}
+    context = {name: SimpleNamespace(kv_cache=view) for name, view in zip(names, views, strict=True)}
     zeroer = KVBlockZeroer(torch.device("cpu"), [group], [spec.block_size], context, TOY_BLOCKS)
     meta = zeroer._meta
     if meta is None:
@@ -87,19 +89,21 @@ def byte_ranges(
     for block in range(TOY_BLOCKS):
         zero[block] = [
             (a - base + block * s * _ZERO_WORD, a - base + block * s * _ZERO_WORD + p * _ZERO_WORD)
-            for a, s, p in zip(addrs, block_strides, pages)
+            for a, s, p in zip(addrs, block_strides, pages, strict=True)
         ]
         reads[block] = []
-        for index, (name, view) in enumerate(zip(names, views)):
+        for index, (name, view) in enumerate(zip(names, views, strict=True)):
             if index in skipped_layers:
                 continue
             origin = view.data_ptr() - base
             offsets, sizes = read_offsets(name, view, layer_to_spec, block)
-            reads[block].extend((origin + o, origin + o + n) for o, n in zip(offsets, sizes))
+            reads[block].extend((origin + o, origin + o + n) for o, n in zip(offsets, sizes, strict=True))
     return zero, reads
 
 
-def read_offsets(name: str, view: Any, layer_to_spec: dict[str, Any], block: int) -> tuple[list[int], list[int]]:
+def read_offsets(
+    name: str, view: Any, layer_to_spec: dict[str, Any], block: int
+) -> tuple[list[int], list[int]]:
     """The local (destination) byte offsets and sizes MoRIIO's READ uses for one block of one
     attention layer, from MoRIIO's own functions: a raw block copy where the connector makes
     one, its head-slice copy where this vLLM's READ path has one and the layout is not dense."""
@@ -120,7 +124,9 @@ def read_offsets(name: str, view: Any, layer_to_spec: dict[str, Any], block: int
                 head_layout, head_layout, [block], [block], 0, 0, head_layout.num_heads
             )
             return list(local), list(sizes)
-    local, _, sizes = ml.compute_block_transfer_offsets(name, view, layer_to_spec, [block], [block], TOY_BLOCKS)
+    local, _, sizes = ml.compute_block_transfer_offsets(
+        name, view, layer_to_spec, [block], [block], TOY_BLOCKS
+    )
     return list(local), list(sizes)
 
 
@@ -154,7 +160,9 @@ def hybrid_layouts() -> tuple[str, ...]:
     accepted = []
     try:
         for layout in KVCacheLayout:
-            config = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=None), kv_transfer_config=None)
+            config = SimpleNamespace(
+                cache_config=SimpleNamespace(kv_cache_layout=None), kv_transfer_config=None
+            )
             try:
                 resolve_kv_cache_layout(config, [[layout.name]], (attention, mamba))  # type: ignore[arg-type]
             except (ValueError, AssertionError):

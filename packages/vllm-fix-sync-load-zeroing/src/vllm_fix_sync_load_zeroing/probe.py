@@ -119,7 +119,9 @@ def step_output(zero: tuple[int, ...] = ZERO) -> Any:
 
 
 def expected_zeroing(case: Case, layout: str, sched: Any, zero: tuple[int, ...] = ZERO) -> list[int]:
-    situation = Situation(case.read, case.consumer, case.hybrid, layout, sched.kv_cache_config.transfer_groups[0].kv_cache_spec)
+    situation = Situation(
+        case.read, case.consumer, case.hybrid, layout, sched.kv_cache_config.transfer_groups[0].kv_cache_spec
+    )
     return filter_zeroing(zero, excluded_blocks(situation, sched._reqs_need_recv))
 
 
@@ -140,8 +142,12 @@ def fork_connector(mc: Any, case: Case, layout: str) -> Any:
     sched = scheduler(mc, case, layout)
     connector = mc.MoRIIOConnector.__new__(mc.MoRIIOConnector)
     connector.mode = sched.mode
-    connector.kv_transfer_config = SimpleNamespace(is_kv_consumer=case.consumer, is_kv_producer=not case.consumer)
-    cache_config = SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout[layout], kv_cache_layout=layout)
+    connector.kv_transfer_config = SimpleNamespace(
+        is_kv_consumer=case.consumer, is_kv_producer=not case.consumer
+    )
+    cache_config = SimpleNamespace(
+        get_resolved_kv_cache_layout=lambda: KVCacheLayout[layout], kv_cache_layout=layout
+    )
     connector._vllm_config = SimpleNamespace(cache_config=cache_config)
     connector.connector_scheduler = sched
     connector.connector_worker = None
@@ -189,7 +195,11 @@ def probe() -> ProbeReport:
     return ProbeReport(
         (
             Check("zeroing-races-sync-read", bool(races), f"{api}: " + "; ".join(races[:4]) if races else ""),
-            Check("zeroing-skipped-for-unwritten-block", bool(over), f"{api}: " + "; ".join(over[:4]) if over else ""),
+            Check(
+                "zeroing-skipped-for-unwritten-block",
+                bool(over),
+                f"{api}: " + "; ".join(over[:4]) if over else "",
+            ),
             # Guard: the READs still reach the worker's metadata.
             Check("reads-reach-metadata", bool(lost_reads), "; ".join(lost_reads[:4]), guard=True),
         )
