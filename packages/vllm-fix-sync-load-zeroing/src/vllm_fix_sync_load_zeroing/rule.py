@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import filterfalse
 from typing import Any
 
 from vllm_fix_sync_load_zeroing.coverage import read_rewrites_zeroed_bytes
@@ -45,34 +46,54 @@ class Situation:
         )
 
 
-def read_destinations(pending: Mapping[Any, Any]) -> list[int]:
-    """Condition 3: the aligned attention destinations of the pending READs, in order.
+def _attention_destinations(entry: Any) -> list[int] | tuple[int, ...] | None:
+    """Condition 3 for one ``_reqs_need_recv`` entry: (request, per-group block ids), attention
+    group first. None for a malformed entry (its blocks stay zeroed)."""
+    try:
+        attention = entry[1][0]
+    except (TypeError, IndexError, KeyError):
+        return None
+    if type(attention) is list or type(attention) is tuple or isinstance(attention, (list, tuple)):
+        return attention  # type: ignore[no-any-return]
+    return None
 
-    `pending` is MoRIIO's ``_reqs_need_recv``: request id -> (request, per-group block ids),
-    attention group first. A malformed entry contributes nothing (its blocks stay zeroed).
-    """
+
+def read_destinations(pending: Mapping[Any, Any]) -> list[int]:
+    """The aligned attention destinations of the pending READs (MoRIIO's ``_reqs_need_recv``),
+    in order."""
     found: list[int] = []
     for entry in pending.values():
-        try:
-            groups = entry[1]
-            attention = groups[0]
-        except (TypeError, IndexError, KeyError):
-            continue
-        if not isinstance(attention, (list, tuple)):
-            continue
-        found.extend(b for b in attention if isinstance(b, int) and not isinstance(b, bool))
+        attention = _attention_destinations(entry)
+        if attention:
+            found.extend(attention)
     return found
 
 
-def excluded_blocks(situation: Situation, pending: Mapping[Any, Any]) -> frozenset[int]:
-    """The blocks to remove from this step's zeroing list."""
+def excluded_blocks(situation: Situation, pending: Mapping[Any, Any]) -> frozenset[int] | set[int]:
+    """The blocks to remove from this step's zeroing list.
+
+    Runs once per scheduler step over every pending READ destination: set operations only (C
+    speed), no per-block Python code. A destination that is not an int matches no block id."""
     if not pending or not situation.may_exclude:
         return frozenset()
-    return frozenset(read_destinations(pending))
+    try:  # the well-formed case in one pass at C speed
+        attention = [entry[1][0] for entry in pending.values()]
+        if all(type(a) is list or type(a) is tuple for a in attention):
+            return set().union(*attention)
+    except (TypeError, IndexError, KeyError):
+        pass
+    found: set[int] = set()
+    for entry in pending.values():
+        destinations = _attention_destinations(entry)
+        if destinations:
+            found.update(destinations)
+    return found
 
 
-def filter_zeroing(blocks: Iterable[int], excluded: frozenset[int]) -> list[int]:
-    return [b for b in blocks if b not in excluded]
+def filter_zeroing(blocks: Iterable[int], excluded: frozenset[int] | set[int]) -> list[int]:
+    if not excluded:
+        return list(blocks)
+    return list(filterfalse(excluded.__contains__, blocks))
 
 
 def scheduler_situation(sched: Any, read_mode: Any) -> Situation:
