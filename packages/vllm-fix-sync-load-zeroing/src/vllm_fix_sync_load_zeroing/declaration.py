@@ -49,4 +49,12 @@ FIX = Fix(
     recognize="vllm_fix_sync_load_zeroing.patch:recognize",
     apply="vllm_fix_sync_load_zeroing.patch:apply",
     spec="moriio-read.md §4",
+    notes=(
+        "Layout coverage as computed: LBHNC, LBNHC, BLHNC and BLNHC are covered on every release; "
+        "LHBNC and BHLNC only where MoRIIO's READ copies head slices (0.33.0). vLLM's resolver gives "
+        "a hybrid model only the block-compact layouts, so 0.32.0's unconditional exclusion is right "
+        "on every configuration it can meet.",
+        "The exclusion relies on the hybrid READ failing the step closed on any READ error or "
+        "timeout (see the read-failure-ownership fix).",
+    ),
 )
