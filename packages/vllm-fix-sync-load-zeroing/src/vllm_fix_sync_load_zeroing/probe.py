@@ -85,7 +85,7 @@ def scheduler(mc: Any, case: Case, layout: str, spec: Any = None) -> Any:
     sched._has_mamba = case.hybrid
     sched.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=layout))
     group = SimpleNamespace(kv_cache_spec=spec if spec is not None else attention_spec())
-    sched.kv_cache_config = SimpleNamespace(transfer_groups=[group])
+    sched.kv_cache_config = SimpleNamespace(transfer_groups=[group], kv_cache_layout=layout)
     sched._attn_group_ids = [0]
     sched._mamba_group_ids = [1] if case.hybrid else []
     sched.transfer_id_to_request_id = {}

@@ -98,12 +98,17 @@ def filter_zeroing(blocks: Iterable[int], excluded: frozenset[int] | set[int]) -
 
 def scheduler_situation(sched: Any, read_mode: Any) -> Situation:
     """The situation of a MoRIIOConnectorScheduler (the layout as the engine core resolved it)."""
-    cache_config = getattr(getattr(sched, "vllm_config", None), "cache_config", None)
+    # The engine core records the resolved layout on the KV cache config it hands the connector
+    # (and on the cache config); None means unresolved, which keeps zeroing.
+    layout = getattr(getattr(sched, "kv_cache_config", None), "kv_cache_layout", None)
+    if layout is None:
+        cache_config = getattr(getattr(sched, "vllm_config", None), "cache_config", None)
+        layout = getattr(cache_config, "kv_cache_layout", None)
     return Situation(
         read=getattr(sched, "mode", None) is read_mode,
         consumer=getattr(sched, "is_producer", True) is False,
         hybrid=getattr(sched, "_has_mamba", False) is True,
-        layout=getattr(cache_config, "kv_cache_layout", None),
+        layout=layout,
         spec=attention_spec(sched),
     )
 
