@@ -56,6 +56,11 @@ def require_feature() -> Any:
     """The moriio_connector module, or NotApplicable where the bug cannot happen."""
     import importlib
 
+    # Cheapest first: the MoRIIO module is already imported when the ladder runs.
+    mc = importlib.import_module(MODULE)
+    init = getattr(mc.MoRIIOConnectorScheduler.__init__, "__code__", None)
+    if init is None or "_has_mamba" not in init.co_names:
+        raise NotApplicable("this vLLM's MoRIIO has no hybrid (Mamba) READ, so no synchronous hybrid load")
     output = importlib.import_module("vllm.v1.core.sched.output")
     fields = getattr(output.SchedulerOutput, "__dataclass_fields__", {})
     if "new_block_ids_to_zero" not in fields:
@@ -63,10 +68,6 @@ def require_feature() -> Any:
     worker_utils = importlib.import_module("vllm.v1.worker.utils")
     if not hasattr(worker_utils, "KVBlockZeroer"):
         raise NotApplicable("this vLLM has no KV-cache zeroing (KVBlockZeroer)")
-    mc = importlib.import_module(MODULE)
-    init = getattr(mc.MoRIIOConnectorScheduler.__init__, "__code__", None)
-    if init is None or "_has_mamba" not in init.co_names:
-        raise NotApplicable("this vLLM's MoRIIO has no hybrid (Mamba) READ, so no synchronous hybrid load")
     return mc
 
 
