@@ -76,12 +76,10 @@ def excluded_blocks(situation: Situation, pending: Mapping[Any, Any]) -> frozens
     speed), no per-block Python code. A destination that is not an int matches no block id."""
     if not pending or not situation.may_exclude:
         return frozenset()
-    try:  # the well-formed case in one pass at C speed
-        attention = [entry[1][0] for entry in pending.values()]
-        if all(type(a) is list or type(a) is tuple for a in attention):
-            return set().union(*attention)
+    try:  # the well-formed case in one pass at C speed (an id that is not an int matches nothing)
+        return set().union(*[entry[1][0] for entry in pending.values()])
     except (TypeError, IndexError, KeyError):
-        pass
+        pass  # some entry is malformed: skip it, keep the others
     found: set[int] = set()
     for entry in pending.values():
         destinations = _attention_destinations(entry)
