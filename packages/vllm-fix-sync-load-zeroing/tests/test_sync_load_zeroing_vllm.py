@@ -298,3 +298,45 @@ def test_probe_guard_reads_reach_metadata() -> None:
     sched = scheduler(mc(), CASES[1], "LBHNC")
     meta = sched.build_connector_meta(step_output())
     assert sorted(meta.reqs_to_recv) == ["probe-0", "probe-1"]
+
+
+# ---- the probe as a regression guard over vLLM's own exclusion ------------------------------
+
+
+def _regressed(module: Any, kind: str) -> Any:
+    """vLLM's build_connector_meta with its exclusion broken one way or the other."""
+    original = module.MoRIIOConnectorScheduler.build_connector_meta
+
+    def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
+        before = list(scheduler_output.new_block_ids_to_zero or [])
+        tail_and_slots = [b for b in before if b >= 9]
+        meta = original(self, scheduler_output)
+        if kind == "drops-exclusion":
+            scheduler_output.new_block_ids_to_zero = before
+        else:  # over-excludes: the recomputed tail and the Mamba slots too
+            scheduler_output.new_block_ids_to_zero = [
+                b for b in scheduler_output.new_block_ids_to_zero or [] if b not in tail_and_slots
+            ]
+        return meta
+
+    return build_connector_meta
+
+
+@pytest.mark.parametrize(
+    ("kind", "symptom"),
+    [
+        ("drops-exclusion", "zeroing-races-sync-read"),
+        ("over-excludes", "zeroing-skipped-for-unwritten-block"),
+    ],
+)
+def test_probe_catches_a_regressed_exclusion(
+    monkeypatch: pytest.MonkeyPatch, kind: str, symptom: str
+) -> None:
+    """A build_connector_meta that drops the exclusion, or excludes the tail block and Mamba
+    slots, is reported; this stand-in is not a shape the fix knows, so the ladder refuses it."""
+    module = mc()
+    monkeypatch.setattr(module.MoRIIOConnectorScheduler, "build_connector_meta", _regressed(module, kind))
+    assert symptom in probe().names(True)
+    decision = runtime.apply(FIX, LENIENT)
+    assert decision.rung is Rung.REFUSED, decision.message
+    runtime.revert(FIX)
