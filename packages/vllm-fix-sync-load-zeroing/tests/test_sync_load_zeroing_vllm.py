@@ -211,6 +211,22 @@ def test_release_without_zeroing_is_not_applicable(monkeypatch: pytest.MonkeyPat
         probe()
 
 
+def test_coverage_not_computable_is_cannot_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM whose zeroer no longer exposes the segment table the coverage reads: the probe
+    cannot judge the rule, so nothing is patched (vLLM's own behaviour stays)."""
+    import vllm.v1.worker.utils as worker_utils
+
+    class ChangedZeroer(worker_utils.KVBlockZeroer):  # type: ignore[misc, name-defined]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._meta = None
+
+    monkeypatch.setattr(worker_utils, "KVBlockZeroer", ChangedZeroer)
+    decision = runtime.apply(FIX, LENIENT)
+    assert decision.rung is Rung.CANNOT_CHECK, decision.message
+    runtime.revert(FIX)
+
+
 # ---- the #59164 API shape ------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_fix_core import Check, NotApplicable, ProbeReport
-from vllm_fix_sync_load_zeroing.coverage import hybrid_layouts
+from vllm_fix_sync_load_zeroing.coverage import byte_ranges, hybrid_layouts
 from vllm_fix_sync_load_zeroing.rule import Situation, excluded_blocks, filter_zeroing
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
@@ -177,6 +177,15 @@ def probe() -> ProbeReport:
     layouts = hybrid_layouts()
     if not layouts:
         raise RuntimeError("vLLM accepts no KV-cache layout for a hybrid model here")
+    for layout in layouts:
+        # The rule cannot be judged where the coverage cannot be computed (the zeroer's segment
+        # table changed, say): "cannot check", rather than undoing vLLM's own exclusion.
+        try:
+            byte_ranges(layout, attention_spec())
+        except Exception as exc:
+            raise RuntimeError(
+                f"cannot compute what zeroing and a READ touch under {layout}: {exc!r}"
+            ) from exc
     races: list[str] = []
     over: list[str] = []
     lost_reads: list[str] = []
