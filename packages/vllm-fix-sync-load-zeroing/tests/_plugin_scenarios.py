@@ -1,0 +1,89 @@
+"""Run plugin-loading scenarios in forked children of one process that imported vLLM.
+
+Usage: python _plugin_scenarios.py SCENARIO [SCENARIO ...]; prints one JSON line per scenario.
+Each child loads the plugins through vLLM's own load_general_plugins(), exactly as every
+vLLM process does, with only this package's entry point allowed (VLLM_PLUGINS).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import vllm.plugins  # noqa: F401  (vLLM itself, imported before the fork)
+
+MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
+
+
+class Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelname, record.getMessage()))
+
+
+def _state() -> dict[str, Any]:
+    from vllm_fix_core.patching import layers_of
+
+    mod = sys.modules.get(MODULE)
+    if mod is None:
+        return {"imported": False, "layers": []}
+    return {"imported": True, "layers": layers_of(mod.MoRIIOConnectorScheduler, "build_connector_meta")}
+
+
+def scenario(name: str) -> dict[str, Any]:
+    capture = Capture()
+    log = logging.getLogger("vllm.fixes")
+    log.addHandler(capture)
+    log.setLevel(logging.DEBUG)
+    os.environ["VLLM_PLUGINS"] = "vllm_fix_sync_load_zeroing"
+    result: dict[str, Any] = {"scenario": name}
+    from vllm.plugins import load_general_plugins
+
+    try:
+        if name == "lazy":
+            load_general_plugins()
+            result["before_import"] = _state()
+            result["lines_before_import"] = list(capture.lines)
+            __import__(MODULE)
+        elif name == "disabled":
+            os.environ["VLLM_FIXES_DISABLE"] = "sync-load-zeroing"
+            load_general_plugins()
+            __import__(MODULE)
+        else:
+            raise SystemExit(f"unknown scenario {name}")
+    except Exception as exc:
+        result["raised"] = f"{type(exc).__name__}: {exc}"
+    result["state"] = _state()
+    result["lines"] = [line for line in capture.lines if line not in result.get("lines_before_import", [])]
+    result["all_lines"] = capture.lines
+    return result
+
+
+def main() -> None:
+    for name in sys.argv[1:]:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            try:
+                payload = json.dumps(scenario(name))
+            except BaseException as exc:  # report, never hang the parent
+                payload = json.dumps({"scenario": name, "crashed": repr(exc)})
+            with os.fdopen(write, "w") as out:
+                out.write(payload)
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as inp:
+            data = inp.read()
+        os.waitpid(pid, 0)
+        print(data, flush=True)
+
+
+if __name__ == "__main__":
+    main()

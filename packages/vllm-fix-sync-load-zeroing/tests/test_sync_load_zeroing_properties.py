@@ -1,0 +1,109 @@
+"""Property-based: over layouts x attention specs x pending READ shapes x roles x modes, the step
+zeroes exactly what it must. The oracle is a byte simulation (zero then READ must leave what the
+READ alone leaves), not the rule module.
+
+On 0.31.0 the patched build_connector_meta is checked; on 0.32.0 / 0.33.0 vLLM's own exclusion
+is (the regression guard), over the configurations vLLM can reach: a hybrid model only resolves
+to the layouts vLLM's resolver accepts, and a producer never has READs pending.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from packaging.version import Version
+
+from vllm_fix_sync_load_zeroing import FIX
+from vllm_fix_sync_load_zeroing.coverage import byte_ranges, hybrid_layouts
+from vllm_fix_sync_load_zeroing.probe import Case, require_feature, scheduler, step_output
+from vllm_fix_testing import applied, vllm_version
+
+PATCHED = vllm_version() < Version("0.32.0")
+# The oracle: zeroing a block and then READing it must leave the memory the READ alone leaves,
+# simulated on CPU bytes from vLLM's zeroer segments and MoRIIO's READ ranges.
+
+
+@functools.cache
+def zero_then_read_equals_read(layout: str, spec: Any, skipped: frozenset[int] = frozenset()) -> bool:
+    try:
+        zero, reads = byte_ranges(layout, spec, skipped)
+    except Exception:
+        return False  # vLLM cannot build it: nothing may be excluded
+    end = max(e for ranges in (*zero.values(), *reads.values()) for _, e in ranges)
+    gen = torch.Generator().manual_seed(0)
+    stale = torch.randint(1, 256, (end,), dtype=torch.uint8, generator=gen)
+    remote = torch.randint(1, 256, (end,), dtype=torch.uint8, generator=gen)
+    for block in zero:
+        read_only = stale.clone()
+        raced = stale.clone()
+        for s, e in zero[block]:  # the zeroing kernel lands first...
+            raced[s:e] = 0
+        for memory in (read_only, raced):  # ...then the READ
+            for s, e in reads[block]:
+                memory[s:e] = remote[s:e]
+        if not torch.equal(read_only, raced):
+            return False
+    return True
+
+
+ALL_LAYOUTS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+
+
+def spec(heads: int, head_size: int, pad: int) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    base = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=head_size, dtype=torch.float16)
+    if not pad:
+        return base
+    return FullAttentionSpec(
+        block_size=16,
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=torch.float16,
+        page_size_padded=base.page_size_bytes + pad,
+    )
+
+
+blocks = st.lists(st.integers(0, 24), max_size=5, unique=True)
+entry = st.tuples(blocks, st.lists(st.integers(90, 99), min_size=1, max_size=1))
+
+
+@st.composite
+def situations(draw: st.DrawFn) -> tuple[Case, str, Any, tuple[int, ...]]:
+    hybrid = draw(st.booleans())
+    read = draw(st.booleans()) if not hybrid else draw(st.booleans()) if PATCHED else True
+    consumer = draw(st.booleans())
+    if hybrid and not PATCHED:
+        layout = draw(st.sampled_from(sorted(hybrid_layouts())))
+    else:
+        layout = draw(st.sampled_from([*ALL_LAYOUTS, "NHD", "XYZ"]))
+    pending = draw(st.lists(entry, max_size=4)) if consumer else []
+    pending = [(tuple(a), tuple(m) if hybrid else ()) for a, m in pending]
+    groups = tuple((a, m) if hybrid else (a,) for a, m in pending)
+    zero = tuple(draw(st.lists(st.one_of(st.integers(0, 30), st.integers(90, 99)), max_size=12)))
+    kv_spec = spec(
+        draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([8, 16])), draw(st.sampled_from([0, 64]))
+    )
+    return Case("prop", read=read, consumer=consumer, hybrid=hybrid, pending=groups), layout, kv_spec, zero
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(situations())
+def test_step_zeroes_exactly_what_the_bytes_require(
+    situation: tuple[Case, str, Any, tuple[int, ...]],
+) -> None:
+    case, layout, kv_spec, zero = situation
+    destinations = {b for groups in case.pending for b in groups[0]}
+    may_exclude = case.read and case.consumer and case.hybrid and zero_then_read_equals_read(layout, kv_spec)
+    expected = [b for b in zero if not (may_exclude and b in destinations)]
+
+    sched = scheduler(require_feature(), case, layout, kv_spec)
+    out = step_output(zero)
+    with applied(FIX) if PATCHED else contextlib.nullcontext():
+        sched.build_connector_meta(out)
+    assert list(out.new_block_ids_to_zero or []) == expected

@@ -1,0 +1,358 @@
+"""moriio-read.md §4 on real vLLM: the decision table, the negative control on 0.31.0, the fix,
+"fixed upstream" on 0.32.0 / 0.33.0, the #59164 API shape, and fail-safe bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from packaging.version import Version
+
+from vllm_fix_core import NotApplicable, Rung, Settings, runtime
+from vllm_fix_sync_load_zeroing import FIX
+from vllm_fix_sync_load_zeroing.coverage import hybrid_layouts, read_rewrites_zeroed_bytes
+from vllm_fix_sync_load_zeroing.probe import (
+    CASES,
+    ZERO,
+    Case,
+    attention_spec,
+    fork_connector,
+    probe,
+    require_feature,
+    scheduler,
+    step_output,
+)
+from vllm_fix_testing import applied, assert_hostile_wrapper_fails, vllm_version
+
+VERSION = vllm_version()
+HAS_EXCLUSION = Version("0.32.0") <= VERSION  # build_connector_meta excludes READ destinations
+HEAD_SLICE_READ = Version("0.33.0") <= VERSION  # MoRIIO READs non-dense layouts head by head
+LENIENT = Settings(disabled=frozenset(), strict=False)
+
+
+def mc() -> Any:
+    return require_feature()
+
+
+def zeroed_after_step(case: Case, layout: str, zero: tuple[int, ...] = ZERO, spec: Any = None) -> list[int]:
+    sched = scheduler(mc(), case, layout, spec)
+    out = step_output(zero)
+    sched.build_connector_meta(out)
+    return list(out.new_block_ids_to_zero or [])
+
+
+# The decision table (spec §4.3): what the step zeroes of [7, 8, 9, 90] under a covered layout.
+# 7, 8: aligned attention READ destinations; 9: the locally recomputed tail; 90: a Mamba slot.
+TABLE = {
+    "attn-import": [9, 90],
+    "two-reads": [9, 90],
+    "state-only": [7, 8, 9, 90],
+    "nothing-pending": [7, 8, 9, 90],
+    "producer": [7, 8, 9, 90],
+    "attention-only-model": [7, 8, 9, 90],
+    "write-mode": [7, 8, 9, 90],
+}
+
+
+def test_hybrid_layouts_are_the_block_compact_ones() -> None:
+    assert set(hybrid_layouts()) == {"LBHNC", "LBNHC", "BLHNC", "BLNHC"}
+
+
+def test_layout_coverage_table() -> None:
+    """Spec §4.2, computed from this vLLM: layer- and block-compact layouts are always rewritten
+    whole; LHBNC and BHLNC only where MoRIIO's READ copies head slices (0.33.0)."""
+    covered = {
+        name
+        for name in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+        if read_rewrites_zeroed_bytes(name, attention_spec())
+    }
+    expected = {"LBHNC", "LBNHC", "BLHNC", "BLNHC"} | ({"LHBNC", "BHLNC"} if HEAD_SLICE_READ else set())
+    assert covered == expected
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_decision_table_unpatched(case: Case, layout: str) -> None:
+    """Negative control on 0.31.0: the READ destinations 7 and 8 are zeroed on the step their
+    READ lands (the race); 0.32.0 / 0.33.0 exclude them already."""
+    got = zeroed_after_step(case, layout)
+    if case.name in ("attn-import", "two-reads") and not HAS_EXCLUSION:
+        assert got == [7, 8, 9, 90]
+    else:
+        assert got == TABLE[case.name]
+
+
+@pytest.mark.skipif(HAS_EXCLUSION, reason="fixed upstream: nothing to apply")
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_decision_table_patched(case: Case, layout: str) -> None:
+    with applied(FIX):
+        assert zeroed_after_step(case, layout) == TABLE[case.name]
+
+
+def test_ladder_rung_on_this_release() -> None:
+    decision = runtime.apply(FIX, LENIENT)
+    if HAS_EXCLUSION:
+        assert decision.rung is Rung.UPSTREAM_FIXED, decision.message
+    else:
+        assert decision.rung is Rung.APPLIED, decision.message
+        assert decision.before is not None and decision.before.names(True) == ["zeroing-races-sync-read"]
+
+
+@pytest.mark.skipif(HAS_EXCLUSION, reason="the bug is not present on this release")
+def test_hostile_wrapper_fails() -> None:
+    assert_hostile_wrapper_fails(FIX)
+
+
+@pytest.mark.skipif(HAS_EXCLUSION, reason="fixed upstream: nothing to apply")
+@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
+def test_uncovered_layout_keeps_zeroing(layout: str) -> None:
+    """0.31.0's READ copies one dense run per block; under LHBNC / BHLNC that run is not the
+    block's page, so the zeroed bytes are not all rewritten: the block must stay zeroed."""
+    with applied(FIX):
+        assert zeroed_after_step(CASES[0], layout) == [7, 8, 9, 90]
+
+
+def test_applying_twice_and_reverting_restores_the_original() -> None:
+    if HAS_EXCLUSION:
+        pytest.skip("fixed upstream: nothing patched")
+    owner = mc().MoRIIOConnectorScheduler
+    original = owner.__dict__["build_connector_meta"]
+    with applied(FIX):
+        runtime.apply(FIX)
+        assert owner.__dict__["build_connector_meta"] is not original
+    assert owner.__dict__["build_connector_meta"] is original
+
+
+# ---- bad input keeps zeroing (fail safe) -------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["NOPE", "NHD", "", None])
+def test_unknown_or_unresolved_layout_keeps_zeroing(layout: Any) -> None:
+    assert not read_rewrites_zeroed_bytes(layout, attention_spec())
+    if not HAS_EXCLUSION:
+        with applied(FIX):
+            assert zeroed_after_step(CASES[0], layout) == [7, 8, 9, 90]
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
+def test_padded_pages_vllm_cannot_build_keep_zeroing(layout: str) -> None:
+    padded = FullAttention(page_size_padded=attention_spec().page_size_bytes + 256)
+    assert not read_rewrites_zeroed_bytes(layout, padded)
+    if not HAS_EXCLUSION:
+        with applied(FIX):
+            assert zeroed_after_step(CASES[0], layout, spec=padded) == [7, 8, 9, 90]
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
+def test_transfer_with_a_skipped_layer_is_not_covered(layout: str) -> None:
+    assert not read_rewrites_zeroed_bytes(layout, attention_spec(), frozenset({1}))
+
+
+def test_missing_attention_spec_keeps_zeroing() -> None:
+    if HAS_EXCLUSION:
+        pytest.skip("fixed upstream: nothing patched")
+    sched = scheduler(mc(), CASES[0], "LBHNC")
+    del sched.kv_cache_config
+    out = step_output()
+    with applied(FIX):
+        sched.build_connector_meta(out)
+    assert out.new_block_ids_to_zero == [7, 8, 9, 90]
+
+
+def test_malformed_pending_entry_keeps_its_blocks_zeroed() -> None:
+    if HAS_EXCLUSION:
+        pytest.skip("fixed upstream: nothing patched")
+    sched = scheduler(mc(), Case("mixed", pending=(((7,), (90,)), ((8,), (91,)))), "LBHNC")
+    request, _ = sched._reqs_need_recv["probe-1"]
+    sched._reqs_need_recv["probe-1"] = (request, [8, [91]])  # attention group is not a list
+    out = step_output()
+    with applied(FIX):
+        sched.build_connector_meta(out)
+    assert out.new_block_ids_to_zero == [8, 9, 90]
+
+
+def test_wrapper_snapshots_destinations_before_vllm_clears_them() -> None:
+    if HAS_EXCLUSION:
+        pytest.skip("fixed upstream: nothing patched")
+    sched = scheduler(mc(), CASES[0], "LBNHC")
+    out = step_output()
+    with applied(FIX):
+        sched.build_connector_meta(out)
+        assert sched._reqs_need_recv == {}  # vLLM drained them...
+        assert out.new_block_ids_to_zero == [9, 90]  # ...after the wrapper read them
+        out2 = step_output()
+        sched.build_connector_meta(out2)  # next step: nothing pending, everything zeroed
+        assert out2.new_block_ids_to_zero == [7, 8, 9, 90]
+
+
+# ---- feature absent -> not applicable ------------------------------------------------------
+
+
+def test_release_without_hybrid_read_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Releases before 0.31.0 have no hybrid READ: their scheduler never sets _has_mamba."""
+    module = mc()
+
+    def old_init(self: Any, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        self.mode = None
+
+    monkeypatch.setattr(module.MoRIIOConnectorScheduler, "__init__", old_init)
+    with pytest.raises(NotApplicable, match="hybrid"):
+        probe()
+    assert runtime.apply(FIX, LENIENT).rung is Rung.NOT_APPLICABLE
+
+
+def test_release_without_zeroing_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.v1.worker.utils as worker_utils
+
+    monkeypatch.delattr(worker_utils, "KVBlockZeroer")
+    with pytest.raises(NotApplicable, match="zeroing"):
+        probe()
+
+
+def test_coverage_not_computable_is_cannot_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM whose zeroer no longer exposes the segment table the coverage reads: the probe
+    cannot judge the rule, so nothing is patched (vLLM's own behaviour stays)."""
+    import vllm.v1.worker.utils as worker_utils
+
+    class ChangedZeroer(worker_utils.KVBlockZeroer):  # type: ignore[misc, name-defined]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._meta = None
+
+    monkeypatch.setattr(worker_utils, "KVBlockZeroer", ChangedZeroer)
+    decision = runtime.apply(FIX, LENIENT)
+    assert decision.rung is Rung.CANNOT_CHECK, decision.message
+    runtime.revert(FIX)
+
+
+# ---- the #59164 API shape ------------------------------------------------------------------
+
+
+def _fork_class(module: Any) -> type:
+    """A MoRIIOConnector carrying get_sync_load_block_ids with the LBNHC-only layout guard the
+    #59164 lineage shipped before its review (built from the spec's description)."""
+
+    class ForkMoRIIOConnector(module.MoRIIOConnector):  # type: ignore[misc, name-defined]
+        def get_sync_load_block_ids(self) -> list[int]:
+            sched = self.connector_scheduler
+            if (
+                self.mode != module.MoRIIOMode.READ
+                or not self.kv_transfer_config.is_kv_consumer
+                or not sched._has_mamba
+                or self._vllm_config.cache_config.get_resolved_kv_cache_layout().name != "LBNHC"
+            ):
+                return []
+            return [b for pending in sched._reqs_need_recv.values() for b in pending[1][0]]
+
+    return ForkMoRIIOConnector
+
+
+@pytest.fixture
+def fork(monkeypatch: pytest.MonkeyPatch) -> Any:
+    module = mc()
+    monkeypatch.setattr(module, "MoRIIOConnector", _fork_class(module))
+    return module
+
+
+FORK_TABLE = {
+    "attn-import": [7, 8],
+    "two-reads": [7, 8],
+    "state-only": [],
+    "nothing-pending": [],
+    "producer": [],
+    "attention-only-model": [],
+    "write-mode": [],
+}
+
+
+def test_fork_guard_misses_lbhnc(fork: Any) -> None:
+    """Negative control for the #59164 API: LBHNC (the ROCm default) gets no exclusion."""
+    assert fork_connector(fork, CASES[0], "LBNHC").get_sync_load_block_ids() == [7, 8]
+    assert fork_connector(fork, CASES[0], "LBHNC").get_sync_load_block_ids() == []
+    report = probe()
+    assert report.names(True) == ["zeroing-races-sync-read"]
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_fork_api_patched_follows_the_table(fork: Any, case: Case, layout: str) -> None:
+    with applied(FIX) as decision:
+        assert decision.shape == "fork-api"
+        assert fork_connector(fork, case, layout).get_sync_load_block_ids() == FORK_TABLE[case.name]
+
+
+def test_fork_api_producer_with_pending_reads_excludes_nothing(fork: Any) -> None:
+    with applied(FIX):
+        assert (
+            fork_connector(
+                fork, Case("p", consumer=False, pending=(((7, 8), (90,)),)), "LBHNC"
+            ).get_sync_load_block_ids()
+            == []
+        )
+
+
+def test_fork_api_uncovered_layout_excludes_nothing(fork: Any) -> None:
+    with applied(FIX):
+        got = fork_connector(fork, CASES[0], "LHBNC").get_sync_load_block_ids()
+    assert got == ([7, 8] if HEAD_SLICE_READ else [])
+
+
+def test_fork_api_hostile_wrapper_fails(fork: Any) -> None:
+    assert_hostile_wrapper_fails(FIX)
+
+
+def FullAttention(**overrides: Any) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    base = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    return FullAttentionSpec(**{**base, **overrides})
+
+
+def test_probe_guard_reads_reach_metadata() -> None:
+    sched = scheduler(mc(), CASES[1], "LBHNC")
+    meta = sched.build_connector_meta(step_output())
+    assert sorted(meta.reqs_to_recv) == ["probe-0", "probe-1"]
+
+
+# ---- the probe as a regression guard over vLLM's own exclusion ------------------------------
+
+
+def _regressed(module: Any, kind: str) -> Any:
+    """vLLM's build_connector_meta with its exclusion broken one way or the other."""
+    original = module.MoRIIOConnectorScheduler.build_connector_meta
+
+    def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
+        before = list(scheduler_output.new_block_ids_to_zero or [])
+        tail_and_slots = [b for b in before if b >= 9]
+        meta = original(self, scheduler_output)
+        if kind == "drops-exclusion":
+            scheduler_output.new_block_ids_to_zero = before
+        else:  # over-excludes: the recomputed tail and the Mamba slots too
+            scheduler_output.new_block_ids_to_zero = [
+                b for b in scheduler_output.new_block_ids_to_zero or [] if b not in tail_and_slots
+            ]
+        return meta
+
+    return build_connector_meta
+
+
+@pytest.mark.parametrize(
+    ("kind", "symptom"),
+    [
+        ("drops-exclusion", "zeroing-races-sync-read"),
+        ("over-excludes", "zeroing-skipped-for-unwritten-block"),
+    ],
+)
+def test_probe_catches_a_regressed_exclusion(
+    monkeypatch: pytest.MonkeyPatch, kind: str, symptom: str
+) -> None:
+    """A build_connector_meta that drops the exclusion, or excludes the tail block and Mamba
+    slots, is reported; this stand-in is not a shape the fix knows, so the ladder refuses it."""
+    module = mc()
+    monkeypatch.setattr(module.MoRIIOConnectorScheduler, "build_connector_meta", _regressed(module, kind))
+    assert symptom in probe().names(True)
+    decision = runtime.apply(FIX, LENIENT)
+    assert decision.rung is Rung.REFUSED, decision.message
+    runtime.revert(FIX)
