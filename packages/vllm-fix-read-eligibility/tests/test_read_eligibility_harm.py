@@ -92,7 +92,9 @@ def test_empty_block_groups_never_claim(new_read_consumer_scheduler: Callable[[]
 
 
 @pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
-def test_well_formed_remote_prefill_is_loaded_by_one_read(read_consumer_scheduler: Any, patched: bool) -> None:
+def test_well_formed_remote_prefill_is_loaded_by_one_read(
+    read_consumer_scheduler: Any, patched: bool
+) -> None:
     """The control: a real remote prefill claims 31 tokens and one READ loads them."""
     params = {
         "do_remote_prefill": True,

@@ -64,12 +64,14 @@ def drifted_body(self: Any, request: Any, num_computed_tokens: int) -> tuple[int
     return max(request.num_prompt_tokens - num_computed_tokens - 1, 0), False
 
 
-def test_drifted_body_is_refused_by_recognize_not_by_a_crashing_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_drifted_body_is_refused_by_recognize_not_by_a_crashing_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cls = scheduler_class()
     monkeypatch.setattr(cls, patch.TARGET, drifted_body)
     before = FIX.run_probe()  # runs fine on the drifted body, and sees the bug
     assert before.affected and before.broken_guards == []
-    with pytest.raises(UnknownShape, match="no longer decides by self.is_producer / self.mode"):
+    with pytest.raises(UnknownShape, match=r"no longer decides by self\.is_producer / self\.mode"):
         patch.recognize()
     decision = evaluate(FIX, LENIENT, apply=True)
     assert decision.rung is Rung.REFUSED

@@ -2,11 +2,11 @@
 
 The table (README, "The rule"), for a READ consumer with N prompt tokens and c computed:
 
-| kv_transfer_params | claim |
-|---|---|
-| no do_remote_prefill (None, {}, falsy flag) | (0, False) |
-| do_remote_prefill, remote_engine_id a non-empty str, remote_block_ids a non-empty list of non-empty per-group lists of int block ids (flat list of ints before 0.30.0) | (max(N-c-1, 0), False) |
-| do_remote_prefill with anything else (malformed) | (0, False) |
+1. no do_remote_prefill (None, {}, falsy flag): (0, False);
+2. do_remote_prefill, remote_engine_id a non-empty str, remote_block_ids a non-empty list
+   of non-empty per-group lists of int block ids (a flat non-empty list of int ids before
+   0.30.0): (max(N-c-1, 0), False);
+3. do_remote_prefill with anything else (malformed): (0, False).
 
 The oracle below restates that table on its own (it shares no code with the fix), and
 the strategy is built to hit every row boundary: missing keys, empty lists, empty
@@ -56,6 +56,8 @@ def oracle_claim(params: Any, n: int, c: int, grouped: bool) -> tuple[int, bool]
     return max(n - c - 1, 0), False
 
 
+FLAG = {"do_remote_prefill": True}
+ENGINE = {"remote_engine_id": "p0"}
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 50), st.text(max_size=3), st.floats(allow_nan=False)
 )
@@ -95,10 +97,11 @@ def patched() -> Iterator[None]:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(p=params, n=st.integers(1, 64), computed=st.integers(0, 64))
-@example(p={"do_remote_prefill": True, "remote_block_ids": [[]], "remote_engine_id": "p0"}, n=32, computed=0)
-@example(p={"do_remote_prefill": True, "remote_block_ids": [[1, 2], []], "remote_engine_id": "p0"}, n=32, computed=0)
-@example(p={"do_remote_prefill": True, "remote_block_ids": [[1, "x", 2]], "remote_engine_id": "p0"}, n=32, computed=0)
-@example(p={"do_remote_prefill": True}, n=10, computed=0)
+@example(p={**FLAG, "remote_block_ids": [[]], **ENGINE}, n=32, computed=0)
+@example(p={**FLAG, "remote_block_ids": [[1, 2], []], **ENGINE}, n=32, computed=0)
+@example(p={**FLAG, "remote_block_ids": [[1, "x", 2]], **ENGINE}, n=32, computed=0)
+@example(p={**FLAG, "remote_block_ids": [[1, True]], **ENGINE}, n=32, computed=0)
+@example(p=FLAG, n=10, computed=0)
 @pytest.mark.usefixtures("patched")
 def test_patched_claim_matches_the_table(p: Any, n: int, computed: int) -> None:
     grouped = block_layout() is BlockLayout.PER_GROUP
@@ -107,10 +110,16 @@ def test_patched_claim_matches_the_table(p: Any, n: int, computed: int) -> None:
 
 
 @settings(max_examples=500, deadline=None)
-@given(p=st.fixed_dictionaries({"do_remote_prefill": st.just(True)}, optional={
-    "remote_block_ids": block_ids,
-    "remote_engine_id": st.one_of(st.just("p0"), scalars),
-}), grouped=st.booleans())
+@given(
+    p=st.fixed_dictionaries(
+        {"do_remote_prefill": st.just(True)},
+        optional={
+            "remote_block_ids": block_ids,
+            "remote_engine_id": st.one_of(st.just("p0"), scalars),
+        },
+    ),
+    grouped=st.booleans(),
+)
 def test_rule_agrees_with_the_table_for_both_layouts(p: dict[str, Any], grouped: bool) -> None:
     """Both block-id layouts (the flat one only exists in vLLM before 0.30.0)."""
     layout = BlockLayout.PER_GROUP if grouped else BlockLayout.FLAT

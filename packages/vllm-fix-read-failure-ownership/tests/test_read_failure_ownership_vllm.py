@@ -283,7 +283,6 @@ def test_no_hybrid_read_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> No
     assert layers_of(cls, "_pop_done_transfers") == []
 
 
-
 def test_probe_says_affected_then_fixed() -> None:
     runtime.revert(FIX)
     before = FIX.run_probe()
