@@ -28,18 +28,22 @@ class BlockLayout(str, enum.Enum):
     FLAT = "flat"
 
 
+_INT = {int}
+
+
 def _bad_ids(ids: list[Any] | tuple[Any, ...]) -> str | None:
-    for block in ids:
-        if type(block) is not int:  # bool, float, str, None... are no block ids
-            return f"remote_block_ids holds a non-integer block id {block!r}"
-    return None
+    # One C-level pass over the ids' types; bool, float, str, None... are no block ids.
+    if set(map(type, ids)) <= _INT:
+        return None
+    block = next(b for b in ids if type(b) is not int)
+    return f"remote_block_ids holds a non-integer block id {block!r}"
 
 
 def malformed_reason(params: Mapping[str, Any], layout: BlockLayout = BlockLayout.PER_GROUP) -> str | None:
     """Why do_remote_prefill params cannot drive a READ, or None if they can.
 
-    Every block id is checked (a type check per id: about 20 ns each, once per request
-    admission, not per step).
+    Every block id is type-checked, in one C-level pass per group, once per request
+    admission (not per step).
     """
     blocks = params.get("remote_block_ids")
     if blocks is None:
