@@ -68,8 +68,10 @@ def scenario(name: str) -> dict[str, Any]:
                 os.environ["VLLM_FIXES_STRICT"] = "1"
             mod = __import__(MODULE, fromlist=["x"])
 
-            def drifted(self: Any, request: Any, num_computed_tokens: int, extra: int) -> tuple[int, bool]:
-                return 7, False
+            def drifted(self: Any, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+                # Callable as vLLM calls it (the probe runs and sees the bug), but it no
+                # longer decides by is_producer / mode: recognize() refuses it.
+                return max(request.num_prompt_tokens - num_computed_tokens - 1, 0), False
 
             mod.MoRIIOConnectorScheduler.get_num_new_matched_tokens = drifted
             load_general_plugins()

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,21 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def read_consumer_scheduler(tiny_model: Path) -> Any:
-    """A real vLLM Scheduler whose connector is a real MoRIIO READ consumer."""
+def new_read_consumer_scheduler(tiny_model: Path) -> Callable[[], Any]:
+    """Builds real vLLM Schedulers whose connector is a real MoRIIO READ consumer."""
     from vllm_fix_testing import MORIIO_EXTRA_CONFIG, real_scheduler
 
-    return real_scheduler(
-        tiny_model,
-        kv_connector="MoRIIOConnector",
-        kv_role="kv_consumer",
-        extra_config={**MORIIO_EXTRA_CONFIG, "read_mode": True},
-    )
+    def build() -> Any:
+        return real_scheduler(
+            tiny_model,
+            kv_connector="MoRIIOConnector",
+            kv_role="kv_consumer",
+            extra_config={**MORIIO_EXTRA_CONFIG, "read_mode": True},
+        )
+
+    return build
+
+
+@pytest.fixture
+def read_consumer_scheduler(new_read_consumer_scheduler: Callable[[], Any]) -> Any:
+    return new_read_consumer_scheduler()

@@ -1,34 +1,40 @@
-"""moriio-read.md §1 on real vLLM: negative controls, the fix, and what must not change."""
+"""The READ consumer's claim on real vLLM: negative controls, the fix, what must not change.
+
+Requests are real vLLM requests (vLLM's own constructor); the connector scheduler is
+MoRIIO's own class. On the real Scheduler further down, the harm is shown the way the
+engine meets it: tokens counted as computed that no READ ever loads.
+"""
 
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from packaging.version import Version
 
 from vllm_fix_read_eligibility import FIX
-from vllm_fix_read_eligibility.probe import MALFORMED, PLAIN, WELL_FORMED, consumer, matched
-from vllm_fix_testing import applied, real_request, vllm_version
+from vllm_fix_read_eligibility.patch import block_layout
+from vllm_fix_read_eligibility.probe import MALFORMED, PLAIN, PROMPT, consumer, matched, request, well_formed
+from vllm_fix_testing import applied, vllm_version
 
-PROMPT = 32
-V032 = vllm_version() < Version("0.33.0")
+PLAIN_FIXED_UPSTREAM = vllm_version() >= Version("0.33.0")
 
 
 @pytest.mark.parametrize("case", sorted(PLAIN))
-def test_plain_request_claims_remote_kv_on_0_32_only(case: str) -> None:
-    """Negative control: 0.32.0 claims N-1 tokens for a request that never asked for them."""
-    expected_unpatched = (PROMPT - 1, False) if V032 else (0, False)
+def test_plain_request_claims_remote_kv_until_0_33(case: str) -> None:
+    """Negative control: before 0.33.0 a READ consumer claims N-1 tokens for a request that
+    never asked for a remote prefill (plain, preempted-and-resumed, retried)."""
+    expected_unpatched = (0, False) if PLAIN_FIXED_UPSTREAM else (PROMPT - 1, False)
     assert matched(consumer(), PLAIN[case]) == expected_unpatched
     with applied(FIX):
         assert matched(consumer(), PLAIN[case]) == (0, False)
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_malformed_remote_prefill_claims_remote_kv_on_both(case: str) -> None:
-    """Negative control on both releases: do_remote_prefill without usable params claims N-1."""
+def test_malformed_remote_prefill_claims_remote_kv(case: str) -> None:
+    """Negative control on every release: do_remote_prefill with params that cannot drive
+    a READ (empty groups included) claims N-1 tokens; patched it claims none."""
     assert matched(consumer(), MALFORMED[case]) == (PROMPT - 1, False)
     with applied(FIX):
         assert matched(consumer(), MALFORMED[case]) == (0, False)
@@ -36,72 +42,76 @@ def test_malformed_remote_prefill_claims_remote_kv_on_both(case: str) -> None:
 
 def test_malformed_params_warn_once_naming_the_request(caplog: pytest.LogCaptureFixture) -> None:
     sched = consumer()
-    params = dict(MALFORMED["string-block-ids"])
-    req = SimpleNamespace(request_id="req-malformed-7", num_prompt_tokens=PROMPT, kv_transfer_params=params)
+    req = request(MALFORMED["empty-groups"], rid="req-malformed-7")
     with applied(FIX), caplog.at_level(logging.WARNING, logger="vllm.fixes.read-eligibility"):
         first = sched.get_num_new_matched_tokens(req, 0)
-        second = sched.get_num_new_matched_tokens(req, 0)
+        second = sched.get_num_new_matched_tokens(req, 0)  # preempted and resumed, say
     assert first == second == (0, False)
-    warnings = [
-        r for r in caplog.records if r.levelno == logging.WARNING and "req-malformed-7" in r.getMessage()
-    ]
-    assert len(warnings) == 1
-    assert "remote_block_ids is a str" in warnings[0].getMessage()
-    assert params["do_remote_prefill"] is False  # nothing will be queued for it
+    warnings = [r for r in caplog.records if "req-malformed-7" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert "no blocks for KV cache group 0" in warnings[0].getMessage()
+    assert req.kv_transfer_params["do_remote_prefill"] is False  # nothing will be queued for it
 
 
-def test_well_formed_remote_prefill_still_claims_n_minus_1() -> None:
-    for patched in (False, True):
-        if patched:
-            with applied(FIX):
-                assert matched(consumer(), WELL_FORMED) == (PROMPT - 1, False)
-        else:
-            assert matched(consumer(), WELL_FORMED) == (PROMPT - 1, False)
+@pytest.mark.parametrize("computed", [0, 16, 31, 32])
+def test_well_formed_remote_prefill_claims_what_vllm_claims(computed: int) -> None:
+    params = well_formed(block_layout())
+    expected = (max(PROMPT - computed - 1, 0), False)
+    assert matched(consumer(), params, computed) == expected
+    with applied(FIX):
+        assert matched(consumer(), params, computed) == expected
+
+
+def side(*, read: bool, producer: bool) -> Any:
+    """A connector scheduler on either side, in either mode (WRITE also reads _has_mamba)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
+
+    sched = consumer()
+    sched.is_producer = producer
+    sched.mode = mc.MoRIIOMode.READ if read else mc.MoRIIOMode.WRITE
+    sched._has_mamba = False
+    return sched
 
 
 @pytest.mark.parametrize(
-    "params", [None, {}, WELL_FORMED, MALFORMED["no-block-ids"], {"do_remote_prefill": False}]
+    "params",
+    [None, {}, {"do_remote_prefill": False}, MALFORMED["flag-only"], MALFORMED["empty-groups"]],
+    ids=["none", "empty", "flag-false", "flag-only", "empty-groups"],
 )
-@pytest.mark.parametrize("side", ["producer-read", "consumer-write", "producer-write"])
-def test_write_mode_and_producer_unchanged(side: str, params: Any) -> None:
-    def sched() -> Any:
-        return consumer(read=side.endswith("read"), producer=side.startswith("producer"))
-
+@pytest.mark.parametrize("where", ["producer-read", "consumer-write", "producer-write"])
+def test_write_mode_and_producer_unchanged(where: str, params: Any) -> None:
     def call() -> Any:
-        p = None if params is None else dict(params)
-        return sched().get_num_new_matched_tokens(
-            SimpleNamespace(request_id="r", num_prompt_tokens=PROMPT, kv_transfer_params=p), 0
-        )
+        sched = side(read=where.endswith("read"), producer=where.startswith("producer"))
+        req = request(params)
+        return sched.get_num_new_matched_tokens(req, 0), req.kv_transfer_params
 
     before = call()
     with applied(FIX):
         assert call() == before
 
 
-def test_lifecycle_flag_cleared_then_claims_nothing(read_consumer_scheduler: Any) -> None:
-    """§1.4 lifecycle, on the real scheduler's real MoRIIO connector: the first query claims
-    N-1 and queues exactly one READ, which clears the flag; a second query (preempted and
-    resumed, or retried) must claim nothing. 0.32.0 claims N-1 again."""
+def no_new_blocks(manager: Any) -> Any:
+    if hasattr(manager, "create_kv_cache_blocks"):
+        return manager.create_kv_cache_blocks(([],))
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    return KVCacheBlocks(([],))
+
+
+def test_lifecycle_flag_cleared_then_claims_nothing(read_consumer_scheduler: Any) -> None:
+    """On the real scheduler's real MoRIIO connector: the first query claims N-1 and
+    queues exactly one READ, which clears the flag; a second query (preempted and resumed,
+    or retried) must claim nothing. Before 0.33.0 vLLM claims N-1 again."""
+    from vllm_fix_testing import real_request
 
     connector = read_consumer_scheduler.connector.connector_scheduler
     manager = read_consumer_scheduler.kv_cache_manager
 
     def run(rid: str) -> tuple[Any, Any, bool]:
-        params = {
-            "do_remote_prefill": True,
-            "remote_block_ids": [[10, 11]],
-            "remote_engine_id": "p0",
-            "transfer_id": f"tx-{rid}",
-        }
+        params = {**well_formed(block_layout()), "remote_block_ids": [[10, 11]], "transfer_id": f"tx-{rid}"}
         req = real_request(rid, PROMPT, kv_transfer_params=params)
         first = connector.get_num_new_matched_tokens(req, 0)
-        blocks = (
-            manager.create_kv_cache_blocks(([],))
-            if hasattr(manager, "create_kv_cache_blocks")
-            else KVCacheBlocks(([],))
-        )
-        connector.update_state_after_alloc(req, blocks, first[0])
+        connector.update_state_after_alloc(req, no_new_blocks(manager), first[0])
         queued = rid in connector._reqs_need_recv
         connector._reqs_need_recv.pop(rid, None)
         second = connector.get_num_new_matched_tokens(req, 0)
@@ -109,55 +119,8 @@ def test_lifecycle_flag_cleared_then_claims_nothing(read_consumer_scheduler: Any
 
     first, second, queued = run("life-unpatched")
     assert first == (PROMPT - 1, False) and queued
-    assert second == ((PROMPT - 1, False) if V032 else (0, False))
+    assert second == ((0, False) if PLAIN_FIXED_UPSTREAM else (PROMPT - 1, False))
     with applied(FIX):
         first, second, queued = run("life-patched")
     assert first == (PROMPT - 1, False) and queued
     assert second == (0, False)
-
-
-def test_real_scheduler_plain_request_on_read_consumer(read_consumer_scheduler: Any) -> None:
-    """The symptom as the engine sees it: a plain request on a READ decode instance.
-
-    Unpatched 0.32.0 schedules only the last prompt token (31 counted as loaded
-    remotely, synchronously, from a READ nobody queued); 0.33.0 schedules all 32.
-    """
-
-    def schedule_plain(rid: str, first_token: int) -> int:
-        sched = read_consumer_scheduler
-        req = real_request(rid, PROMPT, first_token=first_token)
-        sched.add_request(req)
-        out = sched.schedule()
-        n = out.num_scheduled_tokens[rid]
-        sched.finish_requests([rid], _finished_status())
-        return int(n)
-
-    assert schedule_plain("plain-unpatched", 100) == (1 if V032 else PROMPT)
-    with applied(FIX):
-        assert schedule_plain("plain-patched", 200) == PROMPT
-
-
-def test_real_scheduler_malformed_request_recomputes_locally(read_consumer_scheduler: Any) -> None:
-    """Residual (both releases): do_remote_prefill without block ids is scheduled in full patched;
-    unpatched it computes only the last token on KV nobody reads in."""
-
-    def schedule(rid: str, first_token: int) -> tuple[int, bool]:
-        sched = read_consumer_scheduler
-        params = dict(MALFORMED["no-block-ids"])
-        req = real_request(rid, PROMPT, kv_transfer_params=params, first_token=first_token)
-        sched.add_request(req)
-        out = sched.schedule()
-        queued = rid in sched.connector.connector_scheduler._reqs_need_recv
-        sched.finish_requests([rid], _finished_status())
-        return int(out.num_scheduled_tokens[rid]), queued
-
-    with applied(FIX):
-        assert schedule("malformed-patched", 500) == (PROMPT, False)
-    n, _ = schedule("malformed-unpatched", 600)
-    assert n == 1  # negative control: only the last token is computed locally
-
-
-def _finished_status() -> Any:
-    from vllm.v1.request import RequestStatus
-
-    return RequestStatus.FINISHED_ABORTED

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+from vllm_fix_core import Rung
 from vllm_fix_read_failure_ownership import FIX
 
 SCRIPT = r"""
@@ -51,7 +52,7 @@ def test_vllm_plugin_loader_applies_the_fix_when_moriio_is_imported() -> None:
 
     assert result == {
         "before": "pending",
-        "rung": "applied",
+        "rung": Rung.APPLIED.value,
         "shape": f"vllm-{vllm_version()}",
         "ours": True,
     }

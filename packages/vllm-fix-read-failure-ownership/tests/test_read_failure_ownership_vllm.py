@@ -17,10 +17,29 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from vllm_fix_core import FixRefused, PatchSet, Rung, UnknownShape, ast_fingerprint, runtime
+from vllm_fix_core import (
+    FixRefused,
+    NotApplicable,
+    PatchSet,
+    Rung,
+    Settings,
+    UnknownShape,
+    ast_fingerprint,
+    evaluate,
+    runtime,
+)
 from vllm_fix_core.patching import layers_of, original_of
 from vllm_fix_read_failure_ownership import FIX, patch, probe
-from vllm_fix_testing import STRICT, applied, done, failed, pending, vllm_version
+from vllm_fix_testing import (
+    STRICT,
+    FakeWrapper,
+    applied,
+    assert_hostile_wrapper_fails,
+    done,
+    failed,
+    pending,
+    vllm_version,
+)
 
 EXPECTED_SHAPE = {Version("0.32.0"): "vllm-0.32.0", Version("0.33.0"): "vllm-0.33.0"}
 EXPECTED_FINGERPRINT = {Version("0.32.0"): "e36833d400c2f75a", Version("0.33.0"): "692d6197971f9783"}
@@ -203,7 +222,65 @@ def test_pending_then_done_releases_once(kit: SimpleNamespace, clock: Any) -> No
         assert h.releases() == [("tx", p) for p in kit.holders()]
 
 
+# -- no more worker state than vLLM's own body reads ------------------------------------
+
+
+def bare_worker(states: list[str], ports: Any) -> tuple[Any, FakeWrapper]:
+    """A worker as vLLM's own tests build one for the completion path: ``__new__`` plus
+    exactly what vLLM's ``_pop_done_transfers`` reads there (no ``_has_mamba``)."""
+    cls = patch._mc().MoRIIOConnectorWorker
+    worker = cls.__new__(cls)
+    wrapper = FakeWrapper()
+    worker.world_size = 8
+    worker.moriio_config = SimpleNamespace(recv_abort_timeout=600.0)
+    worker.moriio_wrapper = wrapper
+    worker._recving_transfers = {"req": {"layer0": [MAKE[s]() for s in states]}}
+    worker._recving_transfers_callback_addr = {"req": ("127.0.0.1", ports, "tx")}
+    worker._recving_transfers_start = {"req": float("inf")}
+    worker._recving_local_blocks = {"req": [1, 2]}
+    worker._invalid_block_ids = set()
+    return worker, wrapper
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
+def test_completed_and_pending_reads_need_no_hybrid_flag(kit: SimpleNamespace, patched: bool) -> None:
+    """vLLM decides a completed or still-pending READ without reading ``_has_mamba``;
+    the fix must too (it reads the flag only for a READ that failed or timed out)."""
+    ports = kit.holder_ports() if isinstance(kit.holder_ports(), tuple) else "7000"
+    with fix_state(patched):
+        worker, wrapper = bare_worker(["done", "done"], ports)
+        assert worker._pop_done_transfers() == {"tx"}
+        assert len(wrapper.releases()) == len(kit.holders())
+        assert [n.message_fields for n in wrapper.sent] == [{"consumer_tp_size": 8}] * len(kit.holders())
+        worker, wrapper = bare_worker(["done", "pending"], ports)
+        assert worker._pop_done_transfers() == set()
+        assert "req" in worker._recving_transfers and wrapper.sent == []
+
+
 # -- probe, shape, idempotence, revert ---------------------------------------------------
+
+
+def test_probe_observes_vllm_not_the_fix() -> None:
+    """With vLLM's original body layered back over the fix, the ladder must say
+    "failed to fix" and revert exactly (strict: FixFailed)."""
+    runtime.revert(FIX)
+    decision = assert_hostile_wrapper_fails(FIX)
+    assert decision.after is not None and decision.after.affected
+
+
+def test_no_hybrid_read_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM without hybrid READ (before 0.31.0) has no code this bug lives in: the
+    answer is "not applicable", not "refused", and nothing is patched."""
+    runtime.revert(FIX)
+    cls = patch._mc().MoRIIOConnectorWorker
+    original = cls.__dict__["_pop_done_transfers"]
+    monkeypatch.delattr(cls, probe.HYBRID_READ)
+    with pytest.raises(NotApplicable, match="hybrid"):
+        probe.probe()
+    decision = evaluate(FIX, Settings(disabled=frozenset(), strict=True), apply=True)
+    assert decision.rung is Rung.NOT_APPLICABLE
+    assert cls.__dict__["_pop_done_transfers"] is original
+    assert layers_of(cls, "_pop_done_transfers") == []
 
 
 def test_probe_says_affected_then_fixed() -> None:

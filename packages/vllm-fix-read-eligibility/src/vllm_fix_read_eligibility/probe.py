@@ -1,56 +1,81 @@
 """Does this vLLM's MoRIIO READ consumer claim remote KV it will never load?
 
-Calls the real, currently installed MoRIIOConnectorScheduler.get_num_new_matched_tokens
-on an instance built like vLLM's own MoRIIO tests build one (``__new__`` plus the
-attributes the method reads), so it needs no mori, config or model.
+Asks the installed ``MoRIIOConnectorScheduler.get_num_new_matched_tokens`` (whatever is
+installed in the process, our wrapper included) about real vLLM requests, built with
+vLLM's own ``Request`` constructor and ``SamplingParams`` (the way the engine core builds
+them: ``kv_transfer_params`` arrive in ``extra_args``). The connector scheduler is built
+with ``__new__``, like vLLM's own MoRIIO tests build it, with the two attributes its
+answer depends on (consumer side, READ mode): a real one needs a model config and a KV
+cache config, which the probe cannot have. It needs no mori, no config, no model.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 from vllm_fix_core import Check, ProbeReport
+from vllm_fix_read_eligibility.rule import BlockLayout
 
 PROMPT = 32
 
-PLAIN = {"none": None, "empty": {}, "flag-false": {"do_remote_prefill": False}}
+PLAIN: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    "empty": {},
+    "flag-false": {"do_remote_prefill": False},
+}
+ENGINE = {"remote_engine_id": "probe-prefill"}
 MALFORMED: dict[str, dict[str, Any]] = {
-    "no-block-ids": {"do_remote_prefill": True, "remote_engine_id": "p0"},
-    "empty-block-ids": {"do_remote_prefill": True, "remote_block_ids": [], "remote_engine_id": "p0"},
-    "string-block-ids": {"do_remote_prefill": True, "remote_block_ids": "0,1", "remote_engine_id": "p0"},
+    "flag-only": {"do_remote_prefill": True},
+    "no-block-ids": {"do_remote_prefill": True, **ENGINE},
+    "empty-block-ids": {"do_remote_prefill": True, "remote_block_ids": [], **ENGINE},
+    "empty-groups": {"do_remote_prefill": True, "remote_block_ids": [[]], **ENGINE},
+    "string-block-ids": {"do_remote_prefill": True, "remote_block_ids": "0,1", **ENGINE},
     "no-engine-id": {"do_remote_prefill": True, "remote_block_ids": [[0, 1]]},
 }
-WELL_FORMED = {"do_remote_prefill": True, "remote_block_ids": [[0, 1]], "remote_engine_id": "p0"}
 
 
-def consumer(read: bool = True, producer: bool = False) -> Any:
+def well_formed(layout: BlockLayout) -> dict[str, Any]:
+    """A remote prefill this vLLM can READ: its block ids in the layout it exchanges."""
+    blocks: list[Any] = [[0, 1]] if layout is BlockLayout.PER_GROUP else [0, 1]
+    return {"do_remote_prefill": True, "remote_block_ids": blocks, **ENGINE}
+
+
+def consumer() -> Any:
+    """A MoRIIO connector scheduler on the decode (kv_consumer) side, in READ mode."""
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
 
     sched = mc.MoRIIOConnectorScheduler.__new__(mc.MoRIIOConnectorScheduler)
-    sched.is_producer = producer
-    sched.mode = mc.MoRIIOMode.READ if read else mc.MoRIIOMode.WRITE
-    sched._has_mamba = False
+    sched.is_producer = False
+    sched.mode = mc.MoRIIOMode.READ
     return sched
 
 
-def request(params: Any, rid: str = "probe") -> Any:
-    return SimpleNamespace(
+def request(params: dict[str, Any] | None, rid: str = "vllm-fix-probe", num_tokens: int = PROMPT) -> Any:
+    """A real vLLM request with `num_tokens` prompt tokens and a copy of `params`."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    extra = {"kv_transfer_params": None if params is None else dict(params)}
+    return Request(
         request_id=rid,
-        num_prompt_tokens=PROMPT,
-        kv_transfer_params=None if params is None else dict(params),
+        prompt_token_ids=list(range(num_tokens)),
+        sampling_params=SamplingParams(max_tokens=1, extra_args=extra),
+        pooling_params=None,
     )
 
 
-def matched(sched: Any, params: Any) -> tuple[int, bool]:
-    return tuple(sched.get_num_new_matched_tokens(request(params), 0))  # type: ignore[return-value]
+def matched(sched: Any, params: dict[str, Any] | None, num_computed_tokens: int = 0) -> tuple[int, bool]:
+    claimed = sched.get_num_new_matched_tokens(request(params), num_computed_tokens)
+    return int(claimed[0]), bool(claimed[1])
 
 
 def probe() -> ProbeReport:
+    from vllm_fix_read_eligibility.patch import block_layout
+
     sched = consumer()
     plain = {name: matched(sched, p) for name, p in PLAIN.items()}
     bad = {name: matched(sched, p) for name, p in MALFORMED.items()}
-    good = matched(sched, WELL_FORMED)
+    good = matched(sched, well_formed(block_layout()))
     wrong_plain = {k: v for k, v in plain.items() if v != (0, False)}
     wrong_bad = {k: v for k, v in bad.items() if v != (0, False)}
     return ProbeReport(

@@ -16,19 +16,20 @@ FIX = Fix(
         "blocks while other reads of the same request may still be in flight (failure), "
         "tracking of the destination blocks is dropped, and the request keeps generating on "
         "incomplete KV / recurrent state. Silently wrong output, and a late RDMA write can "
-        "corrupt another request once the blocks are reused. vLLM 0.32.0 and 0.33.0 "
-        "(0.33.0's pre-forward barrier shields most, not all, of it)."
+        "corrupt another request once the blocks are reused. Every release with hybrid READ "
+        "(vLLM 0.31.0 to 0.33.0; 0.33.0's pre-forward barrier shields most, not all, of it)."
     ),
     how=(
         "Replace MoRIIOConnectorWorker._pop_done_transfers, for the two known shapes "
-        "(0.32.0: single notify port; 0.33.0: one per holder prefill TP rank) selected by "
+        "(0.31.0/0.32.0: single notify port; 0.33.0: one per holder prefill TP rank) selected by "
         "exact normalized-AST fingerprint, with our own implementation of the ownership "
         "rule: every tracked READ is polled once under the wrapper lock; success sends one "
         "release per holder and drops tracking; an attention-only failure reports its "
         "blocks once, releases and drops (timeout: reports and drops), as before; a hybrid "
         "failure or timeout fails the step closed with TransferError, sending no release, "
-        "reporting no block ids and keeping all tracking. Other shapes are refused, not "
-        "patched. A wrapper would race (a status can fail between its check and vLLM's)."
+        "reporting no block ids and keeping all tracking. Like vLLM's body it reads whether "
+        "the model is hybrid only for a READ that failed or timed out. Other shapes are "
+        "refused, not patched. A wrapper would race (a status can fail between its check and vLLM's)."
     ),
     retire_when=(
         "vLLM's _pop_done_transfers raises for hybrid failures and timeouts itself (the "
@@ -39,7 +40,6 @@ FIX = Fix(
     probe="vllm_fix_read_failure_ownership.probe:probe",
     recognize="vllm_fix_read_failure_ownership.patch:recognize",
     apply="vllm_fix_read_failure_ownership.patch:apply",
-    spec="moriio-read.md §3",
     notes=(
         "Hybrid fail-closed sends no release: the producer reclaims through its own "
         "timeout (0.33.0: READ deferred-send reaper, defer_timeout, default 60 s).",

@@ -129,7 +129,6 @@ def make_pop_done_transfers(release: Release) -> Callable[[Any], set[str]]:
         mc = _mc()
         done_state, failed_state = mc.TransferBatchState.DONE, mc.TransferBatchState.FAILED
         timeout = self.moriio_config.recv_abort_timeout
-        hybrid = bool(self._has_mamba)
         completed: set[str] = set()
         fatal: list[str] = []
         with self.moriio_wrapper.lock:
@@ -152,6 +151,11 @@ def make_pop_done_transfers(release: Release) -> Callable[[Any], set[str]]:
                 if outcome is not Outcome.PENDING:
                     verdicts.append((req_id, statuses, outcome, age))
             for req_id, statuses, outcome, age in verdicts:
+                # Whether the model is hybrid matters only for a READ that failed or
+                # timed out; vLLM's own body reads _has_mamba only there too (in
+                # _record_failed_recv), so a completed or pending READ needs no more
+                # worker state than vLLM's code does.
+                hybrid = outcome is not Outcome.DONE and bool(self._has_mamba)
                 plan = ownership(outcome, hybrid=hybrid)
                 if not plan.acts:
                     continue

@@ -2,14 +2,19 @@
 
 Drives the real, installed ``MoRIIOConnectorWorker.get_finished`` (which calls
 ``_pop_done_transfers``) on workers built with ``__new__`` plus the attributes the READ
-path reads, as vLLM's own MoRIIO tests build them. Only the MORI engine is stood in
-for: transfer statuses and a wrapper with a real lock, vLLM's real
-``MoRIIOWrapper.poll_transfer_batch`` and a ``send_notify`` that records.
+path reads, as vLLM's own MoRIIO tests build them. The wrapper is vLLM's own
+``MoRIIOWrapper`` (its real lock discipline and ``poll_transfer_batch``), with only its
+socket send and shutdown recorded on the instance. The one thing this machine cannot
+provide is a MORI transfer status (the native engine is absent), so the probe carries
+the minimal stand-in for one: four answers, frozen.
 
 Nothing global is changed: no clock is patched (a timed-out transfer is one whose start
 lies far in the past), no socket is opened, and the error lines the scenarios make
 vLLM (and the fix) log are filtered out for the probe's own request id only, with the
 filter removed afterwards.
+
+A vLLM without hybrid (attention + Mamba/KDA) READ has no code this bug can live in:
+the probe says "not applicable" there.
 """
 
 from __future__ import annotations
@@ -23,17 +28,20 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from vllm_fix_core import Check, ProbeReport
+from vllm_fix_core import Check, NotApplicable, ProbeReport
 
 REQ = "vllm-fix-probe-read-failure-ownership"
 XFER = "vllm-fix-probe-xfer"
 BLOCKS = [7, 8]
 TIMEOUT = 120.0
 FIX_LOGGER = "vllm.fixes.read-failure-ownership"
+# The worker method that posts the Mamba/KDA state READs: present exactly where vLLM
+# has hybrid READ (0.31.0 on).
+HYBRID_READ = "_post_mamba_reads"
 
 
 class FrozenStatus:
-    """A MORI transfer status frozen in one state."""
+    """A MORI transfer status frozen in one state (what vLLM's poll asks of it)."""
 
     __slots__ = ("state",)
 
@@ -53,29 +61,14 @@ class FrozenStatus:
         return -1
 
 
-class _Wrapper:
-    """MoRIIOWrapper stand-in: real lock, vLLM's real poll_transfer_batch, recorded notifies."""
-
-    def __init__(self, wrapper_cls: Any) -> None:
-        self.lock = threading.Lock()
-        self.sent: list[tuple[Any, Any, str | None]] = []
-        self._poll = wrapper_cls.poll_transfer_batch
-
-    def poll_transfer_batch(self, statuses: list[Any]) -> Any:
-        return self._poll(self, statuses)
-
-    def send_notify(
-        self,
-        req_ids: Any,
-        remote_ip: str,
-        remote_port: Any,
-        message_type: str | None = None,
-        message_fields: dict[str, Any] | None = None,
-    ) -> None:
-        self.sent.append((req_ids, remote_port, message_type))
-
-    def shutdown(self) -> None:
-        """Called by the worker's ``__del__``; nothing to close."""
+def _wrapper(wrapper_cls: Any, sent: list[str | None]) -> Any:
+    """vLLM's own MoRIIOWrapper, without its engine: a real lock, the real poll, and
+    ``send_notify`` / ``shutdown`` recorded on the instance instead of a socket."""
+    wrapper = wrapper_cls.__new__(wrapper_cls)
+    wrapper.lock = threading.Lock()
+    wrapper.send_notify = lambda *args, message_type=None, **kwargs: sent.append(message_type)
+    wrapper.shutdown = lambda: None
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -103,7 +96,8 @@ def run(states: list[str], *, hybrid: bool, age: float) -> Outcome:
     mc, me = _modules()
     cls = mc.MoRIIOConnectorWorker
     worker = cls.__new__(cls)
-    wrapper = _Wrapper(me.MoRIIOWrapper)
+    sent: list[str | None] = []
+    wrapper = _wrapper(me.MoRIIOWrapper, sent)
     worker.is_producer = False
     worker.mode = mc.MoRIIOMode.READ
     worker.world_size = 1
@@ -129,7 +123,7 @@ def run(states: list[str], *, hybrid: bool, age: float) -> Outcome:
     )
     return Outcome(
         raised=raised,
-        releases=sum(1 for *_, kind in wrapper.sent if kind == "release"),
+        releases=sent.count("release"),
         tracked=all(REQ in d for d in tracking),
         forgotten=not any(REQ in d for d in tracking),
         reported=frozenset(worker._invalid_block_ids),
@@ -159,6 +153,11 @@ def _quiet(*loggers: logging.Logger) -> Iterator[None]:
 
 def probe() -> ProbeReport:
     mc, _ = _modules()
+    if not hasattr(mc.MoRIIOConnectorWorker, HYBRID_READ):
+        raise NotApplicable(
+            "this vLLM's MoRIIO has no hybrid (attention + Mamba/KDA) READ "
+            f"(MoRIIOConnectorWorker.{HYBRID_READ} is absent); the bug lives there"
+        )
     holders = 2 if isinstance(holder_ports(mc.MoRIIOConnectorWorker), tuple) else 1
     failed_closed = Outcome("TransferError", 0, True, False, frozenset())
     with _quiet(mc.logger, logging.getLogger(FIX_LOGGER)):
