@@ -54,7 +54,9 @@ def _base(session: nox.Session, target: str) -> Path:
         {req for p in workspace.packages() for req in workspace.local_closure(p)[1]} | set(TEST_TOOLS)
     )
     commands = vllm_env.install_commands(target, str(base / "bin" / "python"), third)
-    key = json.dumps(commands)
+    # The same for every checkout and worktree of the repository (paths are made relative), so
+    # checkouts that share .nox/_cache share the base instead of rebuilding it for each other.
+    key = json.dumps(commands).replace(str(ROOT), "<root>")
     marker = base / ".complete"
     if not marker.exists() or marker.read_text() != key:
         shutil.rmtree(base, ignore_errors=True)
