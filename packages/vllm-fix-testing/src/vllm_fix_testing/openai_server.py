@@ -1,0 +1,189 @@
+"""vLLM's real OpenAI API server state over a stand-in engine (tests only).
+
+This machine cannot run a model, so the one piece replaced is the engine behind the API
+server: :class:`ScriptedEngineClient` stands in for vLLM's ``EngineClient`` (``AsyncLLM``)
+and, for each request, yields the ``RequestOutput`` objects of a scripted token sequence, as
+the engine's output processor would (deltas for streaming requests, one final output for
+non-streaming ones).
+
+Everything else is vLLM's own code, built the way ``vllm serve`` builds it: vLLM's CLI parser
+(``make_arg_parser``), ``AsyncEngineArgs.from_cli_args(...).create_engine_config()``, the real
+renderer (``renderer_from_config``, so the chat template and the tokenizer are loaded from the
+model folder by vLLM) and ``init_app_state``, which constructs ``OpenAIServingChat`` and the
+other serving objects with their parsers. A request then runs through
+``OpenAIServingChat.create_chat_completion``: rendering, sampling parameters, the stream
+generator (server-sent events) or the full generator, exactly where users see them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine step of the script: the detokenized text and the token ids it adds."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class ScriptedEngineClient:
+    """Stand-in for vLLM's ``EngineClient``: what the API server calls on it.
+
+    ``script`` (a list of :class:`Step`) and ``finish_reason`` are set before each request;
+    ``generate`` replays them as ``RequestOutput`` objects for the prompt vLLM rendered.
+    """
+
+    errored = False
+    is_running = True
+    is_stopped = False
+    dead_error: BaseException | None = None
+
+    def __init__(self, vllm_config: Any, renderer: Any) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.renderer = renderer
+        self.input_processor = None  # the chat path renders through the renderer
+        self.script: list[Step] = []
+        self.finish_reason = "length"
+        self.prompts: list[list[int]] = []  # the prompt token ids of every request, in order
+
+    def check_admission(self, n: int) -> None:
+        return None
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def do_log_stats(self) -> None:
+        return None
+
+    async def abort(self, request_id: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        from vllm.outputs import CompletionOutput, RequestOutput
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt_ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt.prompt_token_ids)
+        self.prompts.append(prompt_ids)
+        script = list(self.script) or [Step("", ())]
+        kind = getattr(sampling_params, "output_kind", RequestOutputKind.CUMULATIVE)
+        if kind is RequestOutputKind.FINAL_ONLY:
+            text = "".join(s.text for s in script)
+            ids = [i for s in script for i in s.token_ids]
+            script = [Step(text, tuple(ids))]
+        text_so_far, ids_so_far = "", []
+        for n, step in enumerate(script):
+            last = n == len(script) - 1
+            text_so_far += step.text
+            ids_so_far += step.token_ids
+            cumulative = kind is RequestOutputKind.CUMULATIVE
+            out = CompletionOutput(
+                index=0,
+                text=text_so_far if cumulative else step.text,
+                token_ids=list(ids_so_far if cumulative else step.token_ids),
+                cumulative_logprob=None,
+                logprobs=None,
+                finish_reason=self.finish_reason if last else None,
+            )
+            yield RequestOutput(
+                request_id=request_id,
+                prompt=None,
+                prompt_token_ids=prompt_ids,
+                prompt_logprobs=None,
+                outputs=[out],
+                finished=last,
+            )
+
+
+def _first(*names: str) -> Any:
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError("none of " + ", ".join(names) + " is part of this vLLM")
+
+
+@dataclass
+class Server:
+    """One API server: its engine stand-in and the app state ``init_app_state`` filled."""
+
+    engine: ScriptedEngineClient
+    state: Any
+    args: Any
+
+    @property
+    def chat(self) -> Any:
+        """The server's ``OpenAIServingChat``."""
+        return self.state.openai_serving_chat
+
+    def chat_completion(
+        self, request: Any, script: Sequence[Step], *, finish_reason: str = "length"
+    ) -> Any:
+        """Run one chat completion: the SSE events (a list of parsed JSON chunks) when
+        ``request.stream``, else the ``ChatCompletionResponse``."""
+        self.engine.script = list(script)
+        self.engine.finish_reason = finish_reason
+        return asyncio.run(self._run(request))
+
+    async def _run(self, request: Any) -> Any:
+        result = await self.chat.create_chat_completion(request)
+        if not getattr(request, "stream", False):
+            return result
+        if not hasattr(result, "__aiter__"):
+            raise AssertionError(f"streaming request answered {result!r}")
+        events: list[Any] = []
+        async for line in result:
+            for part in line.split("\n\n"):
+                if not part.startswith("data: "):
+                    continue
+                data = part[len("data: ") :]
+                if data != "[DONE]":
+                    events.append(json.loads(data))
+        return events
+
+
+def openai_server(cli: Sequence[str]) -> Server:
+    """Build the API server state for ``vllm serve`` with these CLI arguments (``--model`` first)."""
+    from starlette.datastructures import State
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.renderers.registry import renderer_from_config
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    make_arg_parser = _first(
+        "vllm.entrypoints.common.cli_args.make_arg_parser",
+        "vllm.entrypoints.launchers.cli_args.make_arg_parser",
+        "vllm.entrypoints.openai.cli_args.make_arg_parser",
+    )
+    validate = _first(
+        "vllm.entrypoints.common.cli_args.validate_parsed_serve_args",
+        "vllm.entrypoints.launchers.cli_args.validate_parsed_serve_args",
+        "vllm.entrypoints.openai.cli_args.validate_parsed_serve_args",
+    )
+    init_app_state = _first(
+        "vllm.entrypoints.launchers.api_server.app_state.init_app_state",
+        "vllm.entrypoints.openai.api_server.init_app_state",
+    )
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(list(cli))
+    validate(args)
+    vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config(
+        usage_context=UsageContext.OPENAI_API_SERVER
+    )
+    engine = ScriptedEngineClient(vllm_config, renderer_from_config(vllm_config))
+    state = State()
+    asyncio.run(init_app_state(engine, state, args, supported_tasks=("generate",)))
+    return Server(engine, state, args)
