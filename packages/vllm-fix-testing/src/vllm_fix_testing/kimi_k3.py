@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from vllm_fix_testing.openai_server import Server, Step, openai_server
+from vllm_fix_testing.openai_server import ChatStepServer, Server, Step, openai_server
 from vllm_fix_testing.real import TINY_MODEL_CONFIG
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
@@ -147,9 +147,9 @@ class K3Chat:
 
     def __init__(self, root: Path) -> None:
         self.model = str(k3_model_dir(root))
-        self._servers: dict[bool, Server] = {}
+        self._servers: dict[bool, Server | ChatStepServer] = {}
 
-    def server(self, tool_parser: bool) -> Server:
+    def server(self, tool_parser: bool) -> Server | ChatStepServer:
         if tool_parser not in self._servers:
             cli = ["--model", self.model, "--served-model-name", MODEL_NAME, "--reasoning-parser", "kimi_k3"]
             if tool_parser:

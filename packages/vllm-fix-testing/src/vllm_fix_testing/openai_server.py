@@ -13,6 +13,14 @@ model folder by vLLM) and ``init_app_state``, which constructs ``OpenAIServingCh
 other serving objects with their parsers. A request then runs through
 ``OpenAIServingChat.create_chat_completion``: rendering, sampling parameters, the stream
 generator (server-sent events) or the full generator, exactly where users see them.
+
+Where the installed vLLM's chat serving module cannot be imported in this environment (the
+shared vLLM 0.33.0 test venv lacks ``orjson``, which ``vllm.entrypoints.serve.utils.api_utils``
+imports), :func:`openai_server` builds a :class:`ChatStepServer` instead: the same vLLM
+configuration, renderer and parser composition, the chat request rendered by vLLM's real
+``OnlineRenderer``, then the calls ``OpenAIServingChat`` makes per engine output: 0.33.0's
+``ChatStreamProcessor.step`` for a stream, ``parser.parse`` + ``assemble_chat_message_fields``
+for a full response. ``Server.mode`` says which one ran.
 """
 
 from __future__ import annotations
@@ -124,6 +132,7 @@ class Server:
     engine: ScriptedEngineClient
     state: Any
     args: Any
+    mode = "OpenAIServingChat.create_chat_completion"
 
     @property
     def chat(self) -> Any:
@@ -156,7 +165,96 @@ class Server:
         return events
 
 
-def openai_server(cli: Sequence[str]) -> Server:
+class ChatStepServer:
+    """vLLM's chat serving calls without ``OpenAIServingChat`` (see the module docstring)."""
+
+    mode = "ChatStreamProcessor.step / assemble_chat_message_fields"
+
+    def __init__(self, engine: ScriptedEngineClient, args: Any) -> None:
+        from vllm.parser.parser_manager import ParserManager
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        self.engine = engine
+        self.args = args
+        reasoning_parser = engine.vllm_config.structured_outputs_config.reasoning_parser
+        self.enable_auto_tools = bool(args.enable_auto_tool_choice)
+        self.online_renderer = OnlineRenderer(
+            model_config=engine.model_config,
+            renderer=engine.renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format=args.chat_template_content_format,
+            enable_auto_tools=self.enable_auto_tools,
+            tool_parser=args.tool_call_parser,
+            reasoning_parser=reasoning_parser,
+        )
+        # As OpenAIServingChat.__init__ composes it.
+        self.parser_cls = ParserManager.get_parser(
+            tool_parser_name=args.tool_call_parser,
+            reasoning_parser_name=reasoning_parser,
+            enable_auto_tools=self.enable_auto_tools,
+            model_name=engine.model_config.model,
+            tokenizer=engine.renderer.tokenizer,
+        )
+
+    def chat_completion(
+        self, request: Any, script: Sequence[Step], *, finish_reason: str = "length"
+    ) -> Any:
+        self.engine.script = list(script)
+        self.engine.finish_reason = finish_reason
+        return asyncio.run(self._run(request))
+
+    def _make_parser(self, request: Any) -> Any:
+        # As OpenAIServingChat._make_parser does.
+        kwargs = request.build_chat_params(None, self.args.chat_template_content_format).chat_template_kwargs
+        return self.parser_cls(
+            self.engine.renderer.tokenizer,
+            request.tools,
+            chat_template_kwargs=kwargs,
+            model_config=self.engine.model_config,
+        )
+
+    async def _run(self, request: Any) -> Any:
+        from types import SimpleNamespace
+
+        from vllm.entrypoints.openai.chat_completion.message_assembly import assemble_chat_message_fields
+        from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
+
+        parser = self._make_parser(request)
+        _, engine_inputs = await self.online_renderer.render_chat(request)
+        (engine_input,) = engine_inputs
+        params = request.to_sampling_params(64, {})
+        outputs = self.engine.generate(engine_input, params, "chatcmpl-step")
+        if getattr(request, "stream", False):
+            processor = ChatStreamProcessor(
+                request, parser, enable_auto_tools=self.enable_auto_tools, parser_cls=self.parser_cls
+            )
+            events: list[Any] = []
+            async for res in outputs:
+                for out in res.outputs:
+                    delta, reason = processor.step(
+                        out.text, list(out.token_ids), out.finish_reason, res.prompt_token_ids
+                    )
+                    if delta is None and reason is None:
+                        continue
+                    body = delta.model_dump(exclude_none=True) if delta is not None else {}
+                    events.append({"choices": [{"index": 0, "delta": body, "finish_reason": reason}]})
+            return events
+        final = [res async for res in outputs][-1]
+        out = final.outputs[0]
+        parser.set_prompt_token_ids(final.prompt_token_ids)
+        reasoning, content, tool_calls = parser.parse(
+            out.text, request, enable_auto_tools=self.enable_auto_tools, model_output_token_ids=out.token_ids
+        )
+        fields = assemble_chat_message_fields(
+            request, reasoning, content, tool_calls, enable_auto_tools=self.enable_auto_tools,
+            parser_cls=self.parser_cls,
+        )
+        message = SimpleNamespace(reasoning=fields.reasoning, content=fields.content, tool_calls=fields.tool_calls)
+        return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason=out.finish_reason)])
+
+
+def openai_server(cli: Sequence[str]) -> Server | ChatStepServer:
     """Build the API server state for ``vllm serve`` with these CLI arguments (``--model`` first)."""
     from starlette.datastructures import State
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -174,16 +272,20 @@ def openai_server(cli: Sequence[str]) -> Server:
         "vllm.entrypoints.launchers.cli_args.validate_parsed_serve_args",
         "vllm.entrypoints.openai.cli_args.validate_parsed_serve_args",
     )
-    init_app_state = _first(
-        "vllm.entrypoints.launchers.api_server.app_state.init_app_state",
-        "vllm.entrypoints.openai.api_server.init_app_state",
-    )
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(list(cli))
     validate(args)
     vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config(
         usage_context=UsageContext.OPENAI_API_SERVER
     )
     engine = ScriptedEngineClient(vllm_config, renderer_from_config(vllm_config))
+    try:
+        importlib.import_module("vllm.entrypoints.openai.chat_completion.serving")
+        init_app_state = _first(
+            "vllm.entrypoints.launchers.api_server.app_state.init_app_state",
+            "vllm.entrypoints.openai.api_server.init_app_state",
+        )
+    except ImportError:
+        return ChatStepServer(engine, args)
     state = State()
     asyncio.run(init_app_state(engine, state, args, supported_tasks=("generate",)))
     return Server(engine, state, args)
