@@ -139,9 +139,12 @@ class Server:
         """The server's ``OpenAIServingChat``."""
         return self.state.openai_serving_chat
 
-    def chat_completion(
-        self, request: Any, script: Sequence[Step], *, finish_reason: str = "length"
-    ) -> Any:
+    @property
+    def parser_cls(self) -> Any:
+        """The parser class the server composed (``ParserManager.get_parser``)."""
+        return self.chat.parser_cls
+
+    def chat_completion(self, request: Any, script: Sequence[Step], *, finish_reason: str = "length") -> Any:
         """Run one chat completion: the SSE events (a list of parsed JSON chunks) when
         ``request.stream``, else the ``ChatCompletionResponse``."""
         self.engine.script = list(script)
@@ -197,9 +200,7 @@ class ChatStepServer:
             tokenizer=engine.renderer.tokenizer,
         )
 
-    def chat_completion(
-        self, request: Any, script: Sequence[Step], *, finish_reason: str = "length"
-    ) -> Any:
+    def chat_completion(self, request: Any, script: Sequence[Step], *, finish_reason: str = "length") -> Any:
         self.engine.script = list(script)
         self.engine.finish_reason = finish_reason
         return asyncio.run(self._run(request))
@@ -247,10 +248,16 @@ class ChatStepServer:
             out.text, request, enable_auto_tools=self.enable_auto_tools, model_output_token_ids=out.token_ids
         )
         fields = assemble_chat_message_fields(
-            request, reasoning, content, tool_calls, enable_auto_tools=self.enable_auto_tools,
+            request,
+            reasoning,
+            content,
+            tool_calls,
+            enable_auto_tools=self.enable_auto_tools,
             parser_cls=self.parser_cls,
         )
-        message = SimpleNamespace(reasoning=fields.reasoning, content=fields.content, tool_calls=fields.tool_calls)
+        message = SimpleNamespace(
+            reasoning=fields.reasoning, content=fields.content, tool_calls=fields.tool_calls
+        )
         return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason=out.finish_reason)])
 
 
