@@ -38,7 +38,7 @@ from vllm_fix_testing.kimi_k3 import (
 PLAIN = Setup()
 TOOL_PARSER = Setup(tool_parser=True)  # server with --enable-auto-tool-choice --tool-call-parser kimi_k3
 SPEC_22 = ("Plan.", THINK_CLOSE, RESPONSE_OPEN, "List", "<")
-KNOWN_SHAPE = "kimi-k3-0.28-0.30" if vllm_version().release < (0, 31) else "kimi-k3-0.31-0.33"
+KNOWN_SHAPE = "kimi-k3-0.27-0.30" if vllm_version().release < (0, 31) else "kimi-k3-0.31-0.33"
 
 
 @dataclass(frozen=True)
@@ -345,7 +345,7 @@ def test_hostile_wrapper_fails_verification(unpatched: None) -> None:
 
 
 def test_recognized_shape_is_the_known_one(k3: object) -> None:
-    # Upstream-drift guard: 0.28-0.30 share one K3 shape, 0.31-0.33 the other.
+    # Upstream-drift guard: 0.27.1-0.30 share one K3 shape, 0.31-0.33 the other.
     assert fix_patch.recognize() == KNOWN_SHAPE
 
 

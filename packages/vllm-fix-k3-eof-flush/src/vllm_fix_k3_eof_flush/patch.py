@@ -1,7 +1,7 @@
 """Apply: a wrapper around KimiK3Parser.parse_delta that releases the held-back tail at EOF.
 
 Per delta with ``finished=False`` it only delegates: for the fingerprinted K3 shape
-(vLLM 0.28.0-0.33.0, two shapes) a plain delegating function takes parse_delta's place (vLLM's
+(vLLM 0.27.1-0.33.0, two shapes) a plain delegating function takes parse_delta's place (vLLM's
 body still runs, unchanged); for any other recognizable shape a wrapt wrapper does the
 same, slower.
 With ``finished=True`` it lets vLLM process the final delta first, then asks
@@ -51,11 +51,12 @@ STATE_FIELDS = ("reasoning_ended", "previous_text", "tool_call_text_started")
 
 # Combined normalized-AST fingerprint (vllm_fix_core.ast_fingerprint) of
 # KimiK3Parser.parse_delta and the helpers this fix calls. vllm/parser/kimi_k3.py
-# exists from vLLM 0.28.0. 0.28.0-0.30.0 share one shape (their extract_reasoning
-# calls a think body without think markers content); 0.31.0-0.33.0 share the other
-# (kimi_k3.py / the reasoning parser byte-identical, md5 e4b1041c / 525ba10c).
+# exists from vLLM 0.27.1 (measured on the released wheels; 0.26.0 and earlier lack
+# it). 0.27.1-0.30.0 share one shape (their extract_reasoning calls a think body
+# without think markers content); 0.31.0-0.33.0 share the other (the reasoning
+# parser byte-identical, md5 525ba10c).
 KNOWN_SHAPES = {
-    "a761447f04411305": "kimi-k3-0.28-0.30",
+    "a761447f04411305": "kimi-k3-0.27-0.30",
     "b8135fb939fea2d9": "kimi-k3-0.31-0.33",
 }
 
@@ -144,7 +145,7 @@ def _tails(parser: Any, request: Any) -> tuple[str, str]:
         ):
             whole = rp.extract_reasoning(text, request)[0] or ""
             if not whole and not rp._think_open_re.search(text) and not rp._response_open_re.search(text):
-                # vLLM 0.28-0.30: non-streaming calls a think body without any think marker
+                # vLLM 0.27-0.30: non-streaming calls a think body without any think marker
                 # (the opener was the generation prefix) content, while streaming sends it as
                 # reasoning (0.31 made non-streaming agree). Confirm against the same helper
                 # with the consumed generation prefix written out.
