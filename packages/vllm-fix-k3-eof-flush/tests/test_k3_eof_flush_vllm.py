@@ -182,13 +182,30 @@ CONTROLS = [
 ]
 
 
+def think_body_called_content(case: Case) -> bool:
+    """vLLM 0.27.1-0.30: non-streaming calls a think body without any think marker (the opener
+    was the generation prefix) content, while streaming sends it as reasoning; 0.31 made
+    non-streaming agree. Not an end-of-stream difference: there the flush completes the
+    streamed reasoning, and the non-streaming oracle is the text as content."""
+    text = "".join(case.pieces)
+    return (
+        vllm_version().release < (0, 31)
+        and case.setup.thinking
+        and case.setup.prompt_opener
+        and "think<|sep|>" not in text
+    )
+
+
 def _check(chat: K3Chat, case: Case, fixed: bool) -> None:
     streamed = chat.stream(case.setup, chunks_of(case.pieces), eos=case.eos)
     oracle = chat.complete(case.setup, "".join(case.pieces))
     for channel, (bug, good) in case.expect.items():
-        assert getattr(oracle, channel) == good, f"oracle {channel}"
         assert getattr(streamed, channel) == (good if fixed else bug), channel
-    if fixed:
+        if think_body_called_content(case):
+            assert (oracle.reasoning, oracle.content) == ("", good)
+        else:
+            assert getattr(oracle, channel) == good, f"oracle {channel}"
+    if fixed and not think_body_called_content(case):
         assert streamed.as_tuple() == oracle.as_tuple()
 
 
@@ -215,6 +232,8 @@ def test_negative_control_unpatched_loses_the_tail(chat: K3Chat, case: Case, unp
     _check(chat, case, fixed=False)
     streamed = chat.stream(case.setup, chunks_of(case.pieces), eos=case.eos)
     assert streamed.as_tuple() != chat.complete(case.setup, "".join(case.pieces)).as_tuple()
+    if think_body_called_content(case):
+        return  # the two paths differ there anyway (see think_body_called_content)
 
 
 @pytest.mark.parametrize("case", FAILING, ids=lambda c: c.name)
@@ -238,9 +257,9 @@ def test_controls_hold_both_ways(chat: K3Chat, case: Case, unpatched: None) -> N
 
 
 @pytest.mark.parametrize("setup", _both(PLAIN), ids=["plain", "tool-parser"])
-def test_nothing_released_before_the_end(setup: Setup, k3: Any, patched: object) -> None:
+def test_nothing_released_before_the_end(setup: Setup, chat: K3Chat, patched: object) -> None:
     # vLLM's parser entry point as the serving layer calls it, the stream not yet finished.
-    parser = _parser(k3, setup)
+    parser = _parser(chat, setup)
     prompt = encode("<|open|>assistant<|sep|><|open|>think<|sep|>")
     content = ""
     for piece in SPEC_22:
@@ -271,22 +290,14 @@ def _request() -> Any:
     return ChatCompletionRequest(model="k3", messages=[{"role": "user", "content": "hi"}], stream=True)
 
 
-def _parser(k3: Any, setup: Setup) -> Any:
-    """A parser of the class vLLM's ParserManager composes for this server, one per stream."""
-    from vllm.parser.parser_manager import ParserManager
-
-    cls = ParserManager.get_parser(
-        tool_parser_name="kimi_k3" if setup.tool_parser else None,
-        reasoning_parser_name="kimi_k3",
-        enable_auto_tools=setup.tool_parser,
-        model_name="k3",
-        tokenizer=k3_tokenizer(),
-    )
+def _parser(chat: K3Chat, setup: Setup) -> Any:
+    """A parser of the class the server composed (vLLM's ParserManager), one per stream."""
+    cls = chat.server(setup.tool_parser).parser_cls
     return cls(k3_tokenizer(), None, chat_template_kwargs={"thinking": True}, model_config=None)
 
 
-def test_released_exactly_once(k3: Any, patched: object) -> None:
-    parser = _parser(k3, PLAIN)
+def test_released_exactly_once(chat: K3Chat, patched: object) -> None:
+    parser = _parser(chat, PLAIN)
     request = _request()
     prompt = encode("<|open|>assistant<|sep|><|open|>think<|sep|>")
     content = ""
