@@ -135,13 +135,12 @@ def k3_streams(draw: Any) -> tuple[Setup, list[list[int]], bool]:
 
 def pre_existing_difference(setup: Setup, text: str) -> bool:
     """Texts where the two paths already disagree (not EOF): text after
-    <|close|>response<|sep|> (see the module docstring); on vLLM 0.27.1-0.30, a think body
-    without any think marker after the generation-prefix opener, which non-streaming calls
-    content and streaming reasoning (0.31 made non-streaming agree)."""
+    <|close|>response<|sep|> (see the module docstring); on vLLM 0.27.1-0.30, output with
+    thinking on and no complete think marker, which non-streaming calls content and
+    streaming reasoning (0.31 made non-streaming agree)."""
     if (
         vllm_version().release < (0, 31)
         and setup.thinking
-        and setup.prompt_opener
         and THINK_CLOSE not in text
         and THINK_OPEN not in text
     ):

@@ -183,15 +183,14 @@ CONTROLS = [
 
 
 def think_body_called_content(case: Case) -> bool:
-    """vLLM 0.27.1-0.30: non-streaming calls a think body without any think marker (the opener
-    was the generation prefix) content, while streaming sends it as reasoning; 0.31 made
+    """vLLM 0.27.1-0.30: non-streaming calls output with thinking on and no complete think
+    marker (the opener was the generation prefix) content, streaming reasoning; 0.31 made
     non-streaming agree. Not an end-of-stream difference: there the flush completes the
     streamed reasoning, and the non-streaming oracle is the text as content."""
     text = "".join(case.pieces)
     return (
         vllm_version().release < (0, 31)
         and case.setup.thinking
-        and case.setup.prompt_opener
         and "think<|sep|>" not in text
     )
 
