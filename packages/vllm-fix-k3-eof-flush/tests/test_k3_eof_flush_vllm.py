@@ -188,11 +188,7 @@ def think_body_called_content(case: Case) -> bool:
     non-streaming agree. Not an end-of-stream difference: there the flush completes the
     streamed reasoning, and the non-streaming oracle is the text as content."""
     text = "".join(case.pieces)
-    return (
-        vllm_version().release < (0, 31)
-        and case.setup.thinking
-        and "think<|sep|>" not in text
-    )
+    return vllm_version().release < (0, 31) and case.setup.thinking and "think<|sep|>" not in text
 
 
 def _check(chat: K3Chat, case: Case, fixed: bool) -> None:

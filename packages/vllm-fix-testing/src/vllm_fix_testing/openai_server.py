@@ -91,7 +91,7 @@ class ScriptedEngineClient:
             text = "".join(s.text for s in script)
             ids = [i for s in script for i in s.token_ids]
             script = [Step(text, tuple(ids))]
-        text_so_far, ids_so_far = "", []
+        text_so_far, ids_so_far = "", list[int]()
         for n, step in enumerate(script):
             last = n == len(script) - 1
             text_so_far += step.text
