@@ -16,8 +16,8 @@ Kept out of the EOF oracle (pre-existing, not caused by EOF; see README):
   completed close marker exposes a new held prefix ("x<" + "<|close|>response<|sep|>");
 * text after <|close|>response<|sep|> (other than the message close, and the tools
   channel with a tool parser): streamed but not returned without a tool parser when the
-  output opened the response channel (spec §2.3), returned but not streamed with one when
-  it did not. `pre_existing_difference` names exactly these texts;
+  output opened the response channel (README, pre-existing difference 1), returned but
+  not streamed with one when it did not. `pre_existing_difference` names exactly these texts;
 * with tool calls, whitespace-only content: non-streaming returns None, streaming has
   already sent the whitespace (KimiK3Parser._extract_tool_calls); response bodies of
   requests with tools are never whitespace-only.

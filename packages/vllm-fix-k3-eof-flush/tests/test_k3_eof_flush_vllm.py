@@ -55,11 +55,11 @@ def _both(setup: Setup) -> list[Setup]:
     return [setup, Setup(**{**setup.__dict__, "tool_parser": True})]
 
 
-# Spec §2.2: the named failing cases (negative controls), without and with the tool parser.
+# The README's failing scenario and its variants (negative controls), without and with the tool parser.
 FAILING = [
     *(
         Case(
-            f"spec-2.2{'-tool-parser' if s.tool_parser else ''}",
+            f"failing-scenario{'-tool-parser' if s.tool_parser else ''}",
             SPEC_22,
             s,
             expect={"content": ("List", "List<")},
@@ -115,7 +115,8 @@ FAILING = [
     Case(
         "tools-request", SPEC_22, Setup(tool_parser=True, tools=True), expect={"content": ("List", "List<")}
     ),
-    # Markup residue (§2.3 policy): the cut falls inside real markup; non-streaming returns it raw.
+    # Markup residue (README, markup-residue policy): the cut falls inside real markup;
+    # non-streaming returns it raw.
     Case(
         "residue-content",
         ("Plan.", THINK_CLOSE, RESPONSE_OPEN, "Hi", "<|close|>"),
@@ -305,8 +306,9 @@ def test_released_exactly_once(chat: K3Chat, patched: object) -> None:
 
 
 def test_pre_existing_non_eof_difference_is_untouched(chat: K3Chat, unpatched: None) -> None:
-    """§2.3: without a tool parser, text after <|close|>response<|sep|> streams but is not
-    returned by non-streaming. Not caused by EOF; the fix leaves it exactly as it is."""
+    """README, pre-existing difference 1: without a tool parser, text after
+    <|close|>response<|sep|> streams but is not returned by non-streaming. Not caused by EOF;
+    the fix leaves it exactly as it is."""
     pieces = ("Plan.", THINK_CLOSE, RESPONSE_OPEN, "Hi", RESPONSE_CLOSE, "X")
     oracle = chat.complete(PLAIN, "".join(pieces))
     before = chat.stream(PLAIN, chunks_of(pieces))
