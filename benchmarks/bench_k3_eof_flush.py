@@ -1,13 +1,16 @@
-"""k3-eof-flush: per-token cost of the Kimi K3 streaming step, patched / unpatched.
+"""k3-eof-flush: per-token cost of a streaming Kimi K3 chat completion, patched / unpatched.
 
 One process, interleaved repetitions (the fix is applied and reverted between them, the
-order alternates). Each repetition streams a long K3 output one token per delta through
-the step vLLM's chat serving uses (0.33.0: ChatStreamProcessor.step; 0.32.0:
-parser.parse_delta as chat_completion/serving.py calls it); only the step loop is timed.
+order alternates). Each repetition streams a long K3 output, one token per engine output,
+through vLLM's real OpenAI chat server (``OpenAIServingChat.create_chat_completion`` and
+its stream generator, built by ``init_app_state``; only the engine is a stand-in replaying
+the tokens, see ``vllm_fix_testing.kimi_k3``). Where the environment cannot import vLLM's
+chat serving module, the stand-in falls back to the per-output calls the serving layer makes
+(``ChatStreamProcessor.step``); the header line says which ran.
 The stream ends on a held "<", so the patched run also pays its one end-of-stream flush.
-Time is this thread's CPU time (time.thread_time_ns), so other load on the machine does not
-count; the figure is the median over repetitions (the minimum is printed too).
-Goal: patched / unpatched <= 1.02. No assertions on time; it prints the figures.
+Time is this thread's CPU time (time.thread_time_ns) for the whole request, so other load on
+the machine does not count; the figure is the median over repetitions (the minimum is
+printed too). Goal: patched / unpatched <= 1.02. No assertions on time; it prints the figures.
 
     HF_HUB_OFFLINE=1 [VLLM_TARGET_DEVICE=cpu] python benchmarks/bench_k3_eof_flush.py [--tokens N] [--reps R]
 """
@@ -17,25 +20,18 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import tempfile
 import time
-from typing import Any
+from pathlib import Path
 
-from vllm_fix_core import runtime
-from vllm_fix_core.settings import Settings
+from vllm_fix_core import Settings, runtime
 from vllm_fix_k3_eof_flush import FIX
 from vllm_fix_k3_eof_flush import patch as fix_patch
-from vllm_fix_k3_eof_flush.harness import (
-    RESPONSE_OPEN,
-    THINK_CLOSE,
-    Setup,
-    decode,
-    encode,
-    make_parser,
-    vllm_has_stream_processor,
-)
+from vllm_fix_testing.kimi_k3 import RESPONSE_OPEN, THINK_CLOSE, K3Chat, Setup, encode
 
 STRICT = Settings(disabled=frozenset(), strict=True)
 WORDS = "the quick brown fox jumps over a < b and x|y > z "
+CHAT: K3Chat | None = None
 
 
 def model_text(tokens: int) -> str:
@@ -44,43 +40,19 @@ def model_text(tokens: int) -> str:
     return body + THINK_CLOSE + RESPONSE_OPEN + body + "<"
 
 
-def one_run(setup: Setup, deltas: list[tuple[str, list[int]]]) -> int:
-    """Nanoseconds for the step loop of one stream (parser built outside the timing)."""
-    cls, parser, request = make_parser(setup)
-    prompt = encode(setup.prompt())
-    if vllm_has_stream_processor():
-        from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
-
-        processor = ChatStreamProcessor(request, parser, enable_auto_tools=setup.tool_parser, parser_cls=cls)
-        step: Any = processor.step
-        last = len(deltas) - 1
-        gc.disable()
-        t0 = time.thread_time_ns()
-        for i, (text, ids) in enumerate(deltas):
-            step(text, ids, "length" if i == last else None, prompt)
-        t1 = time.thread_time_ns()
-        gc.enable()
-        return t1 - t0
-    parse_delta = parser.parse_delta
-    last = len(deltas) - 1
+def one_run(setup: Setup, deltas: list[list[int]]) -> int:
+    """Nanoseconds of this thread's CPU time for one streaming request."""
+    assert CHAT is not None
     gc.disable()
     t0 = time.thread_time_ns()
-    for i, (text, ids) in enumerate(deltas):
-        parse_delta(
-            delta_text=text,
-            delta_token_ids=ids,
-            request=request,
-            prompt_token_ids=prompt,
-            finished=i == last,
-        )
+    CHAT.stream(setup, deltas)
     t1 = time.thread_time_ns()
     gc.enable()
     return t1 - t0
 
 
 def bench(setup: Setup, tokens: int, reps: int) -> tuple[list[float], list[float]]:
-    ids = encode(model_text(tokens))
-    deltas = [(decode([t]), [t]) for t in ids]
+    deltas = [[t] for t in encode(model_text(tokens))]
     per_token: dict[bool, list[float]] = {False: [], True: []}
     for rep in range(reps + 1):
         for patched in (False, True) if rep % 2 else (True, False):
@@ -101,8 +73,10 @@ def main() -> None:
     args = ap.parse_args()
     import vllm.parser.kimi_k3  # noqa: F401  (the fix's trigger module)
 
-    step = "ChatStreamProcessor.step" if vllm_has_stream_processor() else "parser.parse_delta"
-    print(f"k3-eof-flush benchmark: {step}, one token per delta, {args.reps} interleaved reps")
+    global CHAT
+    CHAT = K3Chat(Path(tempfile.mkdtemp(prefix="k3-bench-")))
+    step = CHAT.server(False).mode
+    print(f"k3-eof-flush benchmark: {step}, one token per engine output, {args.reps} interleaved reps")
     runs = [("no tool parser", Setup(), tokens) for tokens in (200, args.tokens)] + [
         ("kimi_k3 tool parser", Setup(tool_parser=True), tokens) for tokens in (200, args.tokens)
     ]

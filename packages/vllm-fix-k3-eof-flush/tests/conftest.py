@@ -18,6 +18,14 @@ def k3() -> object:
     return vllm.parser.kimi_k3
 
 
+@pytest.fixture(scope="session")
+def chat(k3: object, tmp_path_factory: pytest.TempPathFactory) -> object:
+    """vLLM's real OpenAI chat server (Kimi K3 parsers) over a scripted engine stand-in."""
+    from vllm_fix_testing.kimi_k3 import K3Chat
+
+    return K3Chat(tmp_path_factory.mktemp("kimi-k3-standin"))
+
+
 @pytest.fixture
 def patched(k3: object) -> Iterator[object]:
     """The fix applied in strict mode for one test, reverted afterwards."""
@@ -31,8 +39,7 @@ def patched(k3: object) -> Iterator[object]:
 @pytest.fixture
 def unpatched(k3: object) -> None:
     """Make sure the fix is not applied (a previous test reverted it)."""
-    from vllm_fix_core import runtime
-    from vllm_fix_core.patching import layers_of
+    from vllm_fix_core import layers_of, runtime
     from vllm_fix_k3_eof_flush import FIX
 
     runtime.revert(FIX)

@@ -1,39 +1,44 @@
-"""k3-eof-flush on real vLLM (0.32.0 and 0.33.0), through the real ParserManager and the
-real serving step, with an in-memory K3 tokenizer (no hub).
+"""k3-eof-flush on real vLLM, through vLLM's real OpenAI chat server: requests go through
+``OpenAIServingChat.create_chat_completion`` (rendering, sampling parameters, the stream
+generator's server-sent events or the full generator's response), built by vLLM's own
+``init_app_state`` from ``vllm serve`` arguments, with only the engine replaced by a stand-in
+that replays a scripted token sequence (``vllm_fix_testing.kimi_k3``). Tokenizer: an
+in-memory K3 tokenizer.
 
-Oracle: each streamed channel equals the non-streaming parse of the same model text.
+Oracle: each streamed channel equals what the non-streaming request returns for the same
+model output.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
-from vllm_fix_core import Rung, UnknownShape, runtime
-from vllm_fix_core.ladder import evaluate
-from vllm_fix_core.patching import PatchSet, layers_of, original_of
-from vllm_fix_core.settings import Settings
+from vllm_fix_core import PatchSet, Rung, Settings, UnknownShape, evaluate, layers_of, original_of, runtime
 from vllm_fix_k3_eof_flush import FIX
 from vllm_fix_k3_eof_flush import patch as fix_patch
-from vllm_fix_k3_eof_flush.harness import (
+from vllm_fix_testing import assert_hostile_wrapper_fails, vllm_version
+from vllm_fix_testing.kimi_k3 import (
     RESPONSE_CLOSE,
     RESPONSE_OPEN,
     THINK_CLOSE,
     TOOLS_OPEN,
+    K3Chat,
     Setup,
     call_block,
     chunks_of,
-    non_streaming,
-    parser_class,
-    stream,
-    vllm_has_stream_processor,
+    decode,
+    encode,
+    k3_tokenizer,
 )
-from vllm_fix_testing import vllm_version
 
 PLAIN = Setup()
 TOOL_PARSER = Setup(tool_parser=True)  # server with --enable-auto-tool-choice --tool-call-parser kimi_k3
 SPEC_22 = ("Plan.", THINK_CLOSE, RESPONSE_OPEN, "List", "<")
+KNOWN_SHAPE = "kimi-k3-0.27-0.30" if vllm_version().release < (0, 31) else "kimi-k3-0.31-0.33"
 
 
 @dataclass(frozen=True)
@@ -50,11 +55,11 @@ def _both(setup: Setup) -> list[Setup]:
     return [setup, Setup(**{**setup.__dict__, "tool_parser": True})]
 
 
-# Spec §2.2: the named failing cases (negative controls), without and with the tool parser.
+# The README's failing scenario and its variants (negative controls), without and with the tool parser.
 FAILING = [
     *(
         Case(
-            f"spec-2.2{'-tool-parser' if s.tool_parser else ''}",
+            f"failing-scenario{'-tool-parser' if s.tool_parser else ''}",
             SPEC_22,
             s,
             expect={"content": ("List", "List<")},
@@ -110,7 +115,8 @@ FAILING = [
     Case(
         "tools-request", SPEC_22, Setup(tool_parser=True, tools=True), expect={"content": ("List", "List<")}
     ),
-    # Markup residue (§2.3 policy): the cut falls inside real markup; non-streaming returns it raw.
+    # Markup residue (README, markup-residue policy): the cut falls inside real markup;
+    # non-streaming returns it raw.
     Case(
         "residue-content",
         ("Plan.", THINK_CLOSE, RESPONSE_OPEN, "Hi", "<|close|>"),
@@ -177,43 +183,69 @@ CONTROLS = [
 ]
 
 
-def _check(case: Case, fixed: bool) -> None:
-    streamed = stream(case.setup, chunks_of(case.pieces), eos=case.eos)
-    oracle = non_streaming(case.setup, "".join(case.pieces))
+def think_body_called_content(case: Case) -> bool:
+    """vLLM 0.27.1-0.30: non-streaming calls output with thinking on and no complete think
+    marker (the opener was the generation prefix) content, streaming reasoning; 0.31 made
+    non-streaming agree. Not an end-of-stream difference: there the flush completes the
+    streamed reasoning, and the non-streaming oracle is the text as content."""
+    text = "".join(case.pieces)
+    return vllm_version().release < (0, 31) and case.setup.thinking and "think<|sep|>" not in text
+
+
+def _check(chat: K3Chat, case: Case, fixed: bool) -> None:
+    streamed = chat.stream(case.setup, chunks_of(case.pieces), eos=case.eos)
+    oracle = chat.complete(case.setup, "".join(case.pieces))
     for channel, (bug, good) in case.expect.items():
-        assert getattr(oracle, channel) == good, f"oracle {channel}"
         assert getattr(streamed, channel) == (good if fixed else bug), channel
-    if fixed:
+        if think_body_called_content(case):
+            assert (oracle.reasoning, oracle.content) == ("", good)
+        else:
+            assert getattr(oracle, channel) == good, f"oracle {channel}"
+    if fixed and not think_body_called_content(case):
         assert streamed.as_tuple() == oracle.as_tuple()
 
 
-def test_streaming_step_is_the_serving_one() -> None:
-    # 0.33.0 streams through ChatStreamProcessor.step; 0.32.0 has none and calls parse_delta.
-    assert vllm_has_stream_processor() is (vllm_version().release >= (0, 33))
-    assert parser_class(False).__name__ == "_KimiK3Parser"  # the real ParserManager composition
+def test_requests_run_through_vllms_chat_server(chat: K3Chat) -> None:
+    server = chat.server(False)
+    try:
+        importlib.import_module("vllm.entrypoints.openai.chat_completion.serving")
+    except ImportError:
+        # Only where this environment cannot import vLLM's chat serving module (the shared
+        # 0.33.0 venv lacks orjson): vLLM's per-output calls of OpenAIServingChat instead.
+        assert vllm_version().release >= (0, 33)
+        assert server.mode.startswith("ChatStreamProcessor.step")
+    else:
+        assert server.mode == "OpenAIServingChat.create_chat_completion"
+        assert type(server.chat).__name__ == "OpenAIServingChat"
+    assert server.parser_cls.__name__ == "_KimiK3Parser"  # composed by vLLM's ParserManager
+    chat.stream(PLAIN, chunks_of(SPEC_22))
+    # The prompt vLLM rendered with the model's chat template ends with the think opener.
+    assert decode(chat.prompt_ids()).endswith("<|open|>assistant<|sep|><|open|>think<|sep|>")
 
 
 @pytest.mark.parametrize("case", FAILING, ids=lambda c: c.name)
-def test_negative_control_unpatched_loses_the_tail(case: Case, unpatched: None) -> None:
-    _check(case, fixed=False)
-    streamed = stream(case.setup, chunks_of(case.pieces), eos=case.eos)
-    assert streamed.as_tuple() != non_streaming(case.setup, "".join(case.pieces)).as_tuple()
+def test_negative_control_unpatched_loses_the_tail(chat: K3Chat, case: Case, unpatched: None) -> None:
+    _check(chat, case, fixed=False)
+    streamed = chat.stream(case.setup, chunks_of(case.pieces), eos=case.eos)
+    assert streamed.as_tuple() != chat.complete(case.setup, "".join(case.pieces)).as_tuple()
+    if think_body_called_content(case):
+        return  # the two paths differ there anyway (see think_body_called_content)
 
 
 @pytest.mark.parametrize("case", FAILING, ids=lambda c: c.name)
-def test_fixed_streams_match_non_streaming(case: Case, patched: object) -> None:
-    _check(case, fixed=True)
+def test_fixed_streams_match_non_streaming(chat: K3Chat, case: Case, patched: object) -> None:
+    _check(chat, case, fixed=True)
 
 
 @pytest.mark.parametrize("case", CONTROLS, ids=lambda c: c.name)
-def test_controls_hold_both_ways(case: Case, unpatched: None) -> None:
+def test_controls_hold_both_ways(chat: K3Chat, case: Case, unpatched: None) -> None:
     for fixed in (False, True):
         if fixed:
             decision = runtime.apply(FIX, Settings(disabled=frozenset(), strict=True))
             assert decision.rung is Rung.APPLIED
         try:
-            streamed = stream(case.setup, chunks_of(case.pieces))
-            assert streamed.as_tuple() == non_streaming(case.setup, "".join(case.pieces)).as_tuple()
+            streamed = chat.stream(case.setup, chunks_of(case.pieces))
+            assert streamed.as_tuple() == chat.complete(case.setup, "".join(case.pieces)).as_tuple()
             for channel, (_, good) in case.expect.items():
                 assert getattr(streamed, channel) == good
         finally:
@@ -221,12 +253,18 @@ def test_controls_hold_both_ways(case: Case, unpatched: None) -> None:
 
 
 @pytest.mark.parametrize("setup", _both(PLAIN), ids=["plain", "tool-parser"])
-def test_nothing_released_before_the_end(setup: Setup, patched: object) -> None:
-    cut_off = stream(setup, chunks_of(SPEC_22), finished=False)
-    assert cut_off.content == "List"  # still held: "<" may start a marker
+def test_nothing_released_before_the_end(setup: Setup, chat: K3Chat, patched: object) -> None:
+    # vLLM's parser entry point as the serving layer calls it, the stream not yet finished.
+    parser = _parser(chat, setup)
+    prompt = encode("<|open|>assistant<|sep|><|open|>think<|sep|>")
+    content = ""
+    for piece in SPEC_22:
+        delta = parser.parse_delta(piece, encode(piece), _request(), prompt, finished=False)
+        content += (delta.content or "") if delta else ""
+    assert content == "List"  # still held: "<" may start a marker
 
 
-def test_closed_call_arguments_survive(patched: object) -> None:
+def test_closed_call_arguments_survive(chat: K3Chat, patched: object) -> None:
     setup = Setup(tool_parser=True, tools=True)
     pieces = (
         "Plan.",
@@ -237,16 +275,27 @@ def test_closed_call_arguments_survive(patched: object) -> None:
         TOOLS_OPEN,
         call_block("get_weather", {"q": "ab<"}),
     )
-    streamed = stream(setup, chunks_of(pieces))
+    streamed = chat.stream(setup, chunks_of(pieces))
     assert streamed.tool_calls == [("get_weather", '{"q": "ab<"}')]
-    assert streamed.as_tuple() == non_streaming(setup, "".join(pieces)).as_tuple()
+    assert streamed.as_tuple() == chat.complete(setup, "".join(pieces)).as_tuple()
 
 
-def test_released_exactly_once(patched: object) -> None:
-    from vllm_fix_k3_eof_flush.harness import encode, make_parser
+def _request() -> Any:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    _, parser, request = make_parser(PLAIN)
-    prompt = encode(PLAIN.prompt())
+    return ChatCompletionRequest(model="k3", messages=[{"role": "user", "content": "hi"}], stream=True)
+
+
+def _parser(chat: K3Chat, setup: Setup) -> Any:
+    """A parser of the class the server composed (vLLM's ParserManager), one per stream."""
+    cls = chat.server(setup.tool_parser).parser_cls
+    return cls(k3_tokenizer(), None, chat_template_kwargs={"thinking": True}, model_config=None)
+
+
+def test_released_exactly_once(chat: K3Chat, patched: object) -> None:
+    parser = _parser(chat, PLAIN)
+    request = _request()
+    prompt = encode("<|open|>assistant<|sep|><|open|>think<|sep|>")
     content = ""
     for i, piece in enumerate(SPEC_22):
         delta = parser.parse_delta(piece, encode(piece), request, prompt, finished=i == len(SPEC_22) - 1)
@@ -256,17 +305,18 @@ def test_released_exactly_once(patched: object) -> None:
     assert again is None or not again.content
 
 
-def test_pre_existing_non_eof_difference_is_untouched(unpatched: None) -> None:
-    """§2.3: without a tool parser, text after <|close|>response<|sep|> streams but is not
-    returned by non-streaming. Not caused by EOF; the fix leaves it exactly as it is."""
+def test_pre_existing_non_eof_difference_is_untouched(chat: K3Chat, unpatched: None) -> None:
+    """README, pre-existing difference 1: without a tool parser, text after
+    <|close|>response<|sep|> streams but is not returned by non-streaming. Not caused by EOF;
+    the fix leaves it exactly as it is."""
     pieces = ("Plan.", THINK_CLOSE, RESPONSE_OPEN, "Hi", RESPONSE_CLOSE, "X")
-    oracle = non_streaming(PLAIN, "".join(pieces))
-    before = stream(PLAIN, chunks_of(pieces))
+    oracle = chat.complete(PLAIN, "".join(pieces))
+    before = chat.stream(PLAIN, chunks_of(pieces))
     with_fix = runtime.apply(FIX, Settings(disabled=frozenset(), strict=True))
     try:
-        after = stream(PLAIN, chunks_of(pieces))
+        after = chat.stream(PLAIN, chunks_of(pieces))
         # Held residue after a closed response channel: non-streaming drops it, so does the flush.
-        residue = stream(PLAIN, chunks_of((*pieces[:-1], "<|close|>mess")))
+        residue = chat.stream(PLAIN, chunks_of((*pieces[:-1], "<|close|>mess")))
     finally:
         runtime.revert(FIX)
     assert with_fix.rung is Rung.APPLIED
@@ -274,7 +324,7 @@ def test_pre_existing_non_eof_difference_is_untouched(unpatched: None) -> None:
     assert residue.content == "Hi"
 
 
-def test_probe_says_affected_on_both_releases(unpatched: None) -> None:
+def test_probe_says_affected(unpatched: None) -> None:
     report = FIX.run_probe()
     assert report.affected
     assert report.names(True) == [
@@ -288,25 +338,32 @@ def test_probe_after_fix_and_revert(k3: object) -> None:
     decision = runtime.apply(FIX, Settings(disabled=frozenset(), strict=True))
     try:
         assert decision.rung is Rung.APPLIED, decision.message
-        assert decision.shape == "kimi-k3-0.32.0/0.33.0"
+        assert decision.shape == KNOWN_SHAPE
         assert decision.after is not None and not decision.after.affected
     finally:
         runtime.revert(FIX)
     assert FIX.run_probe().affected
 
 
+def test_hostile_wrapper_fails_verification(unpatched: None) -> None:
+    """The probe observes vLLM's installed parse_delta: a layer calling vLLM's original over
+    the fix must make the ladder say "failed to fix" and revert exactly."""
+    decision = assert_hostile_wrapper_fails(FIX)
+    assert "content-tail-lost=affected" in decision.reason
+
+
 def test_recognized_shape_is_the_known_one(k3: object) -> None:
-    # Upstream-drift guard: the K3 sources are byte-identical in 0.32.0 and 0.33.0.
-    assert fix_patch.recognize() == "kimi-k3-0.32.0/0.33.0"
+    # Upstream-drift guard: 0.27.1-0.30 share one K3 shape, 0.31-0.33 the other.
+    assert fix_patch.recognize() == KNOWN_SHAPE
 
 
 def test_idempotent_and_exact_revert(k3: object, unpatched: None) -> None:
     cls = k3.KimiK3Parser  # type: ignore[attr-defined]
     original = cls.__dict__["parse_delta"]
     patch = PatchSet(FIX.id)
-    fix_patch.apply(patch, "kimi-k3-0.32.0/0.33.0")
+    fix_patch.apply(patch, KNOWN_SHAPE)
     installed = cls.__dict__["parse_delta"]
-    fix_patch.apply(patch, "kimi-k3-0.32.0/0.33.0")
+    fix_patch.apply(patch, KNOWN_SHAPE)
     assert cls.__dict__["parse_delta"] is installed
     assert layers_of(cls, "parse_delta") == [FIX.id]
     assert original_of(cls, "parse_delta") is original
@@ -365,16 +422,18 @@ def test_refuses_when_a_helper_is_missing(k3: object, monkeypatch: pytest.Monkey
         fix_patch.recognize()
 
 
-def test_a_failing_flush_never_harms_the_stream(patched: object, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_flush_never_harms_the_stream(
+    chat: K3Chat, patched: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken(*args: object, **kwargs: object) -> str:
         raise RuntimeError("boom")
 
     monkeypatch.setattr(fix_patch, "held_tail", broken)
-    streamed = stream(PLAIN, chunks_of(SPEC_22))
+    streamed = chat.stream(PLAIN, chunks_of(SPEC_22))
     assert streamed.content == "List"  # vLLM's own final delta, unchanged
 
 
-def test_plugin_entry_point_registers(k3: object) -> None:
+def test_plugin_entry_point_registers(chat: K3Chat, k3: object) -> None:
     from importlib.metadata import entry_points
 
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
@@ -384,7 +443,7 @@ def test_plugin_entry_point_registers(k3: object) -> None:
     try:
         register()
         assert runtime.decisions()[FIX.id].rung is Rung.APPLIED
-        assert stream(PLAIN, chunks_of(SPEC_22)).content == "List<"
+        assert chat.stream(PLAIN, chunks_of(SPEC_22)).content == "List<"
     finally:
         runtime.revert(FIX)
 
@@ -396,7 +455,7 @@ def test_fingerprinted_shape_gets_a_plain_delegate(k3: object, patched: object) 
 
 
 def test_unfingerprinted_shape_is_wrapped_and_fixed(
-    k3: object, unpatched: None, monkeypatch: pytest.MonkeyPatch
+    chat: K3Chat, k3: object, unpatched: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fix_patch, "KNOWN_SHAPES", {})
     assert fix_patch.recognize() == "structural"
@@ -406,12 +465,12 @@ def test_unfingerprinted_shape_is_wrapped_and_fixed(
         installed = k3.KimiK3Parser.__dict__["parse_delta"]  # type: ignore[attr-defined]
         assert type(installed).__name__ == "FunctionWrapper"
         for case in FAILING:
-            _check(case, fixed=True)
+            _check(chat, case, fixed=True)
     finally:
         runtime.revert(FIX)
 
 
-def test_pre_existing_whitespace_content_with_tool_calls_is_untouched(unpatched: None) -> None:
+def test_pre_existing_whitespace_content_with_tool_calls_is_untouched(chat: K3Chat, unpatched: None) -> None:
     """Not EOF: with tool calls, non-streaming turns whitespace-only content into None while
     streaming has already sent it (KimiK3Parser._extract_tool_calls). Same with the fix."""
     setup = Setup(tool_parser=True, tools=True)
@@ -423,11 +482,11 @@ def test_pre_existing_whitespace_content_with_tool_calls_is_untouched(unpatched:
         TOOLS_OPEN,
         call_block("get_weather", {"city": "Paris"}),
     )
-    oracle = non_streaming(setup, "".join(pieces))
-    before = stream(setup, chunks_of(pieces))
+    oracle = chat.complete(setup, "".join(pieces))
+    before = chat.stream(setup, chunks_of(pieces))
     runtime.apply(FIX, Settings(disabled=frozenset(), strict=True))
     try:
-        after = stream(setup, chunks_of(pieces))
+        after = chat.stream(setup, chunks_of(pieces))
     finally:
         runtime.revert(FIX)
     assert (before.content, after.content, oracle.content) == (" ", " ", "")

@@ -22,7 +22,8 @@ FIX = Fix(
         "delta shows whether it is one. When the output ends right there (length limit, stop "
         "string, EOS) nothing releases it: the reply loses its last characters, and a reply "
         "made only of such a prefix streams no content at all. Non-streaming returns the text. "
-        "vLLM 0.32.0 and 0.33.0 (byte-identical K3 sources) are affected."
+        "Every vLLM release with the K3 parsers (0.27.1 through 0.33.0) is affected; 0.26.0 and "
+        "earlier have no K3 parser (not applicable)."
     ),
     how=(
         "Wrap KimiK3Parser.parse_delta, the single streaming entry of the K3 parsers. Deltas "
@@ -43,5 +44,4 @@ FIX = Fix(
     probe="vllm_fix_k3_eof_flush.probe:probe",
     recognize="vllm_fix_k3_eof_flush.patch:recognize",
     apply="vllm_fix_k3_eof_flush.patch:apply",
-    spec="listener-port-and-k3-eof.md §2",
 )

@@ -1,27 +1,23 @@
-"""In-memory tokenizers carrying the Kimi K3 special tokens (no hub, no files).
+"""The probe's in-memory Kimi K3 vocabulary (no hub, no files).
 
-* `FakeK3Tokenizer`: the tiny vocabulary of the spec (§2.2): `<|open|>`=1,
-  `<|close|>`=2, `<|sep|>`=3, `<|end_of_msg|>`=4, the channel names `think`=10,
-  `response`=11, `message`=12, `tools`=13, every other character 1000+ord,
-  greedy longest match. It is all the K3 parsers need (a truthy object with
-  `encode(text, add_special_tokens=False)`), and it costs microseconds, so the
-  probe uses it.
-* `hf_tokenizer()`: a real `transformers.PreTrainedTokenizerFast` over a
-  byte-level BPE with the K3 special tokens added (the recipe of
-  vllm-on-cpu.md), built offline; the tests use it.
+`FakeK3Tokenizer` is the tiny vocabulary of the K3 markers: `<|open|>`=1, `<|close|>`=2,
+`<|sep|>`=3, `<|end_of_msg|>`=4, the channel names `think`=10, `response`=11,
+`message`=12, `tools`=13, every other character 1000+ord, greedy longest match. The K3
+parsers need nothing more from a tokenizer (a truthy object with
+`encode(text, add_special_tokens=False)`; the reasoning parser encodes its markers once,
+and the reasoning/content switch compares those ids with the deltas' ids), and it costs
+microseconds, so the runtime probe can build real K3 parsers in any process without a model.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
-SPECIAL = (OPEN, CLOSE, SEP, EOM)
 
 
 class FakeK3Tokenizer:
-    """encode() with the spec's fake K3 vocabulary (greedy longest match)."""
+    """encode() with the K3 marker vocabulary (greedy longest match)."""
 
     VOCAB: dict[str, int] = {  # noqa: RUF012 - read-only table
         OPEN: 1,
@@ -64,18 +60,3 @@ class FakeK3Tokenizer:
 
     def get_vocab(self) -> dict[str, int]:
         return dict(self.VOCAB)
-
-
-@lru_cache(maxsize=1)
-def hf_tokenizer() -> Any:
-    """A real PreTrainedTokenizerFast whose special tokens are the K3 markers'."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOM)

@@ -1,7 +1,7 @@
 """Apply: a wrapper around KimiK3Parser.parse_delta that releases the held-back tail at EOF.
 
 Per delta with ``finished=False`` it only delegates: for the fingerprinted K3 shape
-(vLLM 0.32.0 / 0.33.0) a plain delegating function takes parse_delta's place (vLLM's
+(vLLM 0.27.1-0.33.0, two shapes) a plain delegating function takes parse_delta's place (vLLM's
 body still runs, unchanged); for any other recognizable shape a wrapt wrapper does the
 same, slower.
 With ``finished=True`` it lets vLLM process the final delta first, then asks
@@ -50,10 +50,14 @@ TOOL_HELPERS = ("_extract_response_content",)
 STATE_FIELDS = ("reasoning_ended", "previous_text", "tool_call_text_started")
 
 # Combined normalized-AST fingerprint (vllm_fix_core.ast_fingerprint) of
-# KimiK3Parser.parse_delta and the helpers this fix calls. The K3 sources are
-# byte-identical in both releases (md5 e4b1041c / 525ba10c / a5fb284f).
+# KimiK3Parser.parse_delta and the helpers this fix calls. vllm/parser/kimi_k3.py
+# exists from vLLM 0.27.1 (measured on the released wheels; 0.26.0 and earlier lack
+# it). 0.27.1-0.30.0 share one shape (their extract_reasoning calls a think body
+# without think markers content); 0.31.0-0.33.0 share the other (the reasoning
+# parser byte-identical, md5 525ba10c).
 KNOWN_SHAPES = {
-    "b8135fb939fea2d9": "kimi-k3-0.32.0/0.33.0",
+    "a761447f04411305": "kimi-k3-0.27-0.30",
+    "b8135fb939fea2d9": "kimi-k3-0.31-0.33",
 }
 
 _logger = get_logger("k3-eof-flush")
@@ -140,6 +144,12 @@ def _tails(parser: Any, request: Any) -> tuple[str, str]:
             and not rp._think_close_re.search(text)
         ):
             whole = rp.extract_reasoning(text, request)[0] or ""
+            if not whole and not rp._think_open_re.search(text) and not rp._response_open_re.search(text):
+                # vLLM 0.27-0.30: non-streaming calls a think body without any think marker
+                # (the opener was the generation prefix) content, while streaming sends it as
+                # reasoning (0.31 made non-streaming agree). Confirm against the same helper
+                # with the consumed generation prefix written out.
+                whole = rp.extract_reasoning(rp._think_open + text, request)[0] or ""
             return held_tail(rp._reasoning_text_ready_to_emit, text, whole), ""
         return "", ""
     if tp is None:

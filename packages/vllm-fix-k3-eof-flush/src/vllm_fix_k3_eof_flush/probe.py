@@ -1,6 +1,6 @@
 """Does this vLLM's streaming Kimi K3 parser lose the text it holds back at end of stream?
 
-Runs the spec's §2.2 sequence through the real, installed ``KimiK3Parser.parse_delta``
+Runs the README's failing scenario through the real, installed ``KimiK3Parser.parse_delta``
 (the single K3 streaming entry) with an in-memory K3 vocabulary: no model, no hub,
 no files, a few milliseconds.
 
@@ -25,7 +25,7 @@ THINK_CLOSE = "<|close|>think<|sep|>"
 RESPONSE_OPEN = "<|open|>response<|sep|>"
 PROMPT = "<|open|>user<|sep|>hi<|close|>user<|sep|>" + THINK_OPEN
 
-# §2.2: streamed content must end "List<" (the "<" arrives with finish_reason="length").
+# The failing scenario: streamed content must end "List<" (the "<" arrives with finish_reason="length").
 SEQUENCE = ("Plan.", THINK_CLOSE, RESPONSE_OPEN, "List", "<")
 # Held text that completes into markers: no marker may leak at EOF.
 MARKERS = (
