@@ -25,7 +25,6 @@ live process; the package's tests drive vLLM's real ``__init__`` with MORI stood
 
 from __future__ import annotations
 
-import gc
 import socket
 import threading
 from collections.abc import Iterator
@@ -99,8 +98,7 @@ def probe() -> ProbeReport:
     released = [p for p in ports if p != 0 and is_free(p, host)]
     shared = ports[0] == ports[1] != 0
     zero_unreported = 0 in ports and mori.present and not mori.auto_bind
-    del configs
-    gc.collect()  # a hold tied to a probe config ends with it
+    del configs  # a hold tied to a probe config ends with it (no cycles: refcounting frees it)
     detail = f"local_kv_port {ports}: held, or chosen by the native listener"
     if released:
         detail = f"local_kv_port {ports}: {released} free for anyone to bind before MORI does"

@@ -135,27 +135,34 @@ def mori_module(version: str | None = AUTO_BIND_SINCE) -> types.ModuleType:
     return mori
 
 
-@contextmanager
-def installed_mori(version: str | None = AUTO_BIND_SINCE, *, auto_bind: bool | None = None) -> Iterator[Any]:
-    """``sys.modules['mori']`` / ``['mori.io']`` are the stand-in for the block (then restored).
+def _auto_bind_of(version: str | None) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return version is not None and Version(version) >= Version(AUTO_BIND_SINCE)
+    except InvalidVersion:
+        return False
+
+
+def put_mori(version: str | None = AUTO_BIND_SINCE, *, auto_bind: bool | None = None) -> types.ModuleType:
+    """Make the stand-in the importable ``mori`` for good (a forked child that exits afterwards).
 
     ``auto_bind`` defaults to what that version does (auto-bind from 0.1.0 on).
     """
-    from packaging.version import InvalidVersion, Version
-
-    if auto_bind is None:
-        try:
-            auto_bind = version is not None and Version(version) >= Version(AUTO_BIND_SINCE)
-        except InvalidVersion:
-            auto_bind = False
-    saved = {name: sys.modules.get(name) for name in ("mori", "mori.io")}
-    saved_auto = IOEngine.auto_bind
     module = mori_module(version)
     sys.modules["mori"] = module
-    sys.modules["mori.io"] = module.io
-    IOEngine.auto_bind = auto_bind
+    sys.modules["mori.io"] = module.io  # type: ignore[attr-defined]
+    IOEngine.auto_bind = _auto_bind_of(version) if auto_bind is None else auto_bind
+    return module
+
+
+@contextmanager
+def installed_mori(version: str | None = AUTO_BIND_SINCE, *, auto_bind: bool | None = None) -> Iterator[Any]:
+    """``sys.modules['mori']`` / ``['mori.io']`` are the stand-in for the block (then restored)."""
+    saved = {name: sys.modules.get(name) for name in ("mori", "mori.io")}
+    saved_auto = IOEngine.auto_bind
     try:
-        yield module
+        yield put_mori(version, auto_bind=auto_bind)
     finally:
         IOEngine.auto_bind = saved_auto
         for name, previous in saved.items():
