@@ -78,17 +78,19 @@ def hold_scanning(host: str, start: int, attempts: int = 1000) -> Reservation:
     """Reserve the first free port from ``start`` upward (VLLM_PORT-style scanning, but held)."""
     if attempts < 1:
         raise ValueError("attempts must be >= 1")
-    last: OSError | None = None
+    # Only the last error's text is kept: keeping the exception would keep its traceback's
+    # frames, and with them the caller's locals (a config whose hold must end with it).
+    last = ""
     for port in range(start, min(start + attempts, 65536)):
         try:
             return hold(host, port)
         except OSError as exc:
             if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
                 raise
-            last = exc
+            last = str(exc)
     raise OSError(
-        errno.EADDRINUSE, f"no free port in {start}..{start + attempts - 1} on {host or '*'}"
-    ) from last
+        errno.EADDRINUSE, f"no free port in {start}..{start + attempts - 1} on {host or '*'} ({last})"
+    )
 
 
 def hold_for_listener(host: str) -> Reservation:

@@ -105,7 +105,10 @@ def page_boundary_unaligned() -> Scenario:
 def unpadded_tail() -> Scenario:
     nbytes = 2 * LAYER_BYTES + 64
     storage = backing(0, nbytes)
-    caches = {"attn0": block_first_cache(storage, 0), "attn1": block_first_cache(storage, nbytes - LAYER_BYTES)}
+    caches = {
+        "attn0": block_first_cache(storage, 0),
+        "attn1": block_first_cache(storage, nbytes - LAYER_BYTES),
+    }
     return _attention(
         "unpadded-tail",
         f"aligned storage of {nbytes} bytes, the last layer ending at the storage end",
