@@ -131,7 +131,7 @@ def mori_module(version: str | None = AUTO_BIND_SINCE) -> types.ModuleType:
     }.items():
         setattr(io, name, value)
     mori.io = io  # type: ignore[attr-defined]
-    mori.__path__ = []  # type: ignore[attr-defined]  # a package, for importlib
+    mori.__path__ = []  # a package, for importlib
     return mori
 
 
@@ -151,7 +151,7 @@ def put_mori(version: str | None = AUTO_BIND_SINCE, *, auto_bind: bool | None = 
     """
     module = mori_module(version)
     sys.modules["mori"] = module
-    sys.modules["mori.io"] = module.io  # type: ignore[attr-defined]
+    sys.modules["mori.io"] = module.io
     IOEngine.auto_bind = _auto_bind_of(version) if auto_bind is None else auto_bind
     return module
 
