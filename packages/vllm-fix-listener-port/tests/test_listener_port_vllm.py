@@ -160,7 +160,7 @@ def test_real_from_vllm_config_holds_distinct_ports_with_an_older_mori(
         second = config_cls.from_vllm_config(probe.vllm_config())
         ports = [first.local_kv_port, second.local_kv_port]
         assert len(set(ports)) == 2 and min(ports) >= base
-        assert not any(probe.is_free(p) for p in ports)  # held until MORI binds
+        assert set(ports) <= probe.ports_held_here()  # held by this process until MORI binds
         assert held_ports() == sorted(ports)
         del first, second
         assert held_ports() == []

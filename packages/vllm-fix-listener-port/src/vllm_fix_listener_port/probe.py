@@ -5,9 +5,9 @@ on it: this fix, another fix, anything) twice, as two ranks on one host do befor
 has started MORI's listener, with vLLM's own ``KVTransferConfig`` and ``ParallelConfig``.
 Then it looks at the two ``local_kv_port`` values the way the host sees them:
 
-* a non-zero port that any socket can bind right after the call is a released probe:
-  nothing holds it until MORI binds, so another rank, another process or an outgoing
-  ``connect()`` can take it first (the bug);
+* a non-zero port that no socket of this process holds right after the call is a released
+  probe: nothing of ours holds it until MORI binds, so another rank, another process or an
+  outgoing ``connect()`` can take it first (the bug);
 * two ranks given one port (``VLLM_PORT`` scanning before any listener is up) collide;
 * port 0 is right only with a MORI that reports the port it auto-bound (mori_support);
   with an older one every worker would fail at start-up.
@@ -25,7 +25,9 @@ live process; the package's tests drive vLLM's real ``__init__`` with MORI stood
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,15 +78,32 @@ def tp_group() -> Iterator[None]:
             parallel_state._TP = None
 
 
-def is_free(port: int, host: str = HOST) -> bool:
-    """Can any socket bind ``port`` now (on the wildcard of ``host``'s family, no SO_REUSEADDR)?"""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
+def ports_held_here() -> set[int]:
+    """Local ports of this process's TCP sockets (bound, listening or connected).
+
+    Read from the process's own descriptors (``/proc/self/fd``; ``/dev/fd`` elsewhere), each
+    duplicated, asked for its address and closed again: who holds a port on the host at
+    large is not the question (another rank may already have taken a released port, which is
+    the bug), only whether this process still holds what it handed to MORI.
+    """
+    base = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    held: set[int] = set()
+    for name in os.listdir(base):
         try:
-            sock.bind(("::" if family == socket.AF_INET6 else "", port))
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except (OSError, ValueError):
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                held.add(int(sock.getsockname()[1]))
         except OSError:
-            return False
-    return True
+            pass
+        finally:
+            sock.close()  # the duplicate only
+    return held
 
 
 def probe() -> ProbeReport:
@@ -94,14 +113,14 @@ def probe() -> ProbeReport:
     with tp_group():
         configs = [moriio_common.MoRIIOConfig.from_vllm_config(vllm_config()) for _ in range(2)]
     ports = [int(c.local_kv_port) for c in configs]
-    host = str(configs[0].local_ip)
-    released = [p for p in ports if p != 0 and is_free(p, host)]
+    here = ports_held_here()
+    released = [p for p in ports if p != 0 and p not in here]
     shared = ports[0] == ports[1] != 0
     zero_unreported = 0 in ports and mori.present and not mori.auto_bind
     del configs  # a hold tied to a probe config ends with it (no cycles: refcounting frees it)
     detail = f"local_kv_port {ports}: held, or chosen by the native listener"
     if released:
-        detail = f"local_kv_port {ports}: {released} free for anyone to bind before MORI does"
+        detail = f"local_kv_port {ports}: {released} not held by this process until MORI binds"
         if shared:
             detail += " (both ranks got the same port: all but one native bind fail)"
     return ProbeReport(
