@@ -4,7 +4,11 @@ One process, the real installed vLLM, interleaved repetitions: each round times 
 batch of calls to vLLM's own function (unpatched) and a batch through the installed
 fix (patched). Prints the medians and their ratio; asserts nothing about time.
 
-    python benchmarks/bench_listener_port.py [--rounds 30] [--calls 200]
+    python benchmarks/bench_listener_port.py [--rounds 30] [--calls 200] [--mori VERSION]
+
+``--mori 0.0.1`` puts a MORI stand-in of that version in place (vllm_fix_testing.mori_io),
+so the fix takes its held-reservation strategy (one extra bind per call, released when the
+config is dropped); without it the fix asks for port 0.
 
 Runs on CPU without MORI. The TP group is a stand-in (rank 0 of 1): from_vllm_config
 reads it, and a real one needs GPUs. VLLM_PORT is unset, so each call makes vLLM's
@@ -26,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--mori", default=None, help="version of a MORI stand-in (held-reservation path)")
     args = parser.parse_args()
     os.environ.pop("VLLM_PORT", None)
 
@@ -39,6 +44,10 @@ def main() -> None:
     from vllm_fix_testing import STRICT
 
     del moriio_connector  # imported for the trigger
+    if args.mori is not None:
+        from vllm_fix_testing.mori_io import put_mori
+
+        put_mori(args.mori)
     parallel_state._TP = SimpleNamespace(rank_in_group=0, world_size=1)
     config_cls = moriio_common.MoRIIOConfig
     unpatched = functools.partial(original_of(config_cls, "from_vllm_config").__func__, config_cls)
@@ -47,7 +56,7 @@ def main() -> None:
         raise SystemExit(decision.message)
     patched = config_cls.from_vllm_config
     vllm_config = probe.vllm_config()
-    assert patched(vllm_config).local_kv_port == 0
+    assert (patched(vllm_config).local_kv_port == 0) is (args.mori is None)
     assert unpatched(vllm_config).local_kv_port != 0
 
     def batch(fn: Any) -> float:

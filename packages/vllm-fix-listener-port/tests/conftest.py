@@ -1,18 +1,18 @@
-"""Shared helpers: the loopback port race (real processes, real vLLM from_vllm_config).
+"""Shared helpers: the loopback port race (real processes, vLLM's real MoRIIOConnectorWorker.__init__).
 
-Each rank is a process forked from the test process (which already imported vLLM).
-It stands in for a TP worker on one host: the plugin loads (patched case), the
-REAL ``MoRIIOConfig.from_vllm_config`` runs, then the kv-port steps of
-``MoRIIOConnectorWorker.__init__`` in their order (config -> IOEngine(ip, port)
--> create_backend, where MORI binds). All ranks meet at a Barrier right before the
-native bind, as TP workers initialising in parallel do. The native listener is
-emulated exactly (SO_REUSEADDR, bind, listen(128)); MORI would exit(-1) on a bind
-failure, here it is counted. Listeners stay open until every rank has bound, so
-distinct published ports really coexist.
+Each rank is a process forked from the test process (which already imported vLLM). It
+stands in for a TP worker on one host: the plugin loads (patched case: the fix goes
+through the ladder like in a vLLM process), then vLLM's REAL
+``MoRIIOConnectorWorker.__init__`` runs with MORI stood in (vllm_fix_testing.mori_io:
+the engine binds exactly like MORI's ``TCPContext::Listen``). All ranks meet at a
+Barrier right before the native bind (the stand-in's ``before_bind`` hook), as TP
+workers initialising in parallel do. MORI would ``exit(-1)`` on a bind failure; here it
+is counted. Listeners stay open until every rank has bound, so distinct published
+ports really coexist.
 
-Fakes: only the TP group (a torch.distributed group needs a GPU per rank: its
-``rank_in_group`` / ``world_size`` are set on vLLM's own ``parallel_state._TP`` in
-the child) and the MORI engine (vllm_fix_listener_port.emulation).
+Fakes: MORI (absent here), the world / TP groups (a torch.distributed group needs a GPU
+per rank: ``rank_in_group`` / ``world_size`` are set on vLLM's own ``parallel_state``
+in the child) and the attention-backend lookup at the end of ``__init__``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,42 @@ CLONE_NEWNET = 0x40000000
 TIMEOUT = 120.0
 
 
-def _rank(rank: int, n: int, patched: bool, env_port: int | None, barrier: Any, out: Any) -> None:
-    engine = None
+def worker_configs(backend: str = "rdma") -> tuple[Any, Any]:
+    """(vllm_config, kv_cache_config) for vLLM's real MoRIIOConnectorWorker.__init__ on CPU."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from vllm_fix_listener_port import probe
+
+    vllm_config = probe.vllm_config(dict(probe.EXTRA_CONFIG, backend=backend))
+    vllm_config.cache_config = SimpleNamespace(block_size=16, cache_dtype="auto")
+    vllm_config.model_config = SimpleNamespace(use_mla=False, dtype="bfloat16", get_head_size=lambda: 128)
+    kv_cache_config = KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
+    return vllm_config, kv_cache_config
+
+
+def close_worker(worker: Any) -> None:
+    executor = getattr(worker, "_handshake_initiation_executor", None)
+    if executor is not None:
+        executor.shutdown(wait=False)
+    context = getattr(worker, "zmq_context", None)
+    if context is not None:
+        context.term()
+
+
+def install_fix_in_this_process() -> None:
+    """What a vLLM process does at plugin load: the fix goes through the ladder."""
+    from vllm_fix_core import Rung, runtime
+    from vllm_fix_listener_port import plugin
+
+    plugin.register()
+    decision = runtime.decisions()["listener-port"]
+    if decision.rung is not Rung.APPLIED:
+        raise RuntimeError(decision.message)
+
+
+def _rank(
+    rank: int, n: int, patched: bool, env_port: int | None, mori_version: str, barrier: Any, out: Any
+) -> None:
     reported = False
     try:
         if env_port is None:
@@ -42,52 +76,37 @@ def _rank(rank: int, n: int, patched: bool, env_port: int | None, barrier: Any, 
         else:
             os.environ["VLLM_PORT"] = str(env_port)
         from vllm.distributed import parallel_state
-        from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common
+        from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 
-        from vllm_fix_core import runtime
-        from vllm_fix_listener_port import patch, plugin, probe
-        from vllm_fix_listener_port.emulation import RDMA, IOEngine, IOEngineConfig
+        from vllm_fix_core import layers_of
+        from vllm_fix_testing import mori_io
 
+        mori_io.put_mori(mori_version)  # this child exits afterwards
+        mori_io.install_in_vllm(mori_io.plain_setattr)
         parallel_state._TP = SimpleNamespace(rank_in_group=rank, world_size=n)
+        parallel_state._WORLD = SimpleNamespace(rank=rank, local_rank=rank)
         if patched:
-            plugin.register()
-            decision = runtime.decisions()["listener-port"]
-            if decision.rung.value != "applied":
-                raise RuntimeError(decision.message)
-        elif any(probe.installed()):
-            raise RuntimeError("the fix leaked into an unpatched rank")
+            install_fix_in_this_process()
+        elif layers_of(moriio_connector.MoRIIOConnectorWorker, "__init__"):
+            raise RuntimeError("a fix leaked into an unpatched rank")
+        mori_io.IOEngine.before_bind = lambda engine: barrier.wait(TIMEOUT)  # all ranks bind together
 
-        worker = SimpleNamespace()
-        allocated: list[int] = []
-
-        def init() -> None:  # MoRIIOConnectorWorker.__init__'s kv-port steps, in its order
-            worker.moriio_config = moriio_common.MoRIIOConfig.from_vllm_config(probe.vllm_config())
-            worker.local_kv_port = worker.moriio_config.local_kv_port
-            allocated.append(worker.local_kv_port)
-            worker.moriio_engine = IOEngine(
-                f"rank{rank}",
-                IOEngineConfig(worker.moriio_config.local_ip, worker.moriio_config.local_kv_port),
-            )
-            barrier.wait(TIMEOUT)  # every rank reaches the native bind together
-            worker.moriio_engine.create_backend(RDMA)  # MORI: exit(-1) on failure
-
+        vllm_config, kv_cache_config = worker_configs()
         report: dict[str, Any] = {"rank": rank}
         try:
-            if patched:
-                patch.worker_init_wrapper(init, worker, (), {})
-            else:
-                init()
+            worker = moriio_connector.MoRIIOConnectorWorker(vllm_config, f"engine-{rank}", kv_cache_config)
         except OSError as exc:  # the native bind failed: MORI would exit(-1) here
-            report.update(allocated=allocated[0], published=None, error=exc.strerror)
+            engine = mori_io.IOEngine.instances[-1]
+            report.update(allocated=engine.config.port, published=None, error=exc.strerror)
         else:
+            engine = worker.moriio_engine
             report.update(
-                allocated=allocated[0],
-                published=worker.moriio_engine.get_engine_desc().port,
+                allocated=engine.config.port,
+                published=engine.get_engine_desc().port,
                 worker_port=worker.local_kv_port,
                 config_port=worker.moriio_config.local_kv_port,
                 error=None,
             )
-        engine = getattr(worker, "moriio_engine", None)
         barrier.wait(TIMEOUT)  # every listener that could bind is up at the same time
         out.put(report)
         reported = True
@@ -97,22 +116,26 @@ def _rank(rank: int, n: int, patched: bool, env_port: int | None, barrier: Any, 
         if not reported:
             out.put({"rank": rank, "fatal": repr(exc)})
     finally:
-        if engine is not None:
-            engine.close()
+        from vllm_fix_testing import mori_io
+
+        mori_io.IOEngine.close_all()
 
 
-def run_race(n: int, patched: bool, env_port: int | None) -> dict[str, Any]:
-    """Race n forked ranks; returns per-rank reports and the two figures."""
+def run_race(n: int, patched: bool, env_port: int | None, mori_version: str = "1.2.2") -> dict[str, Any]:
+    """Race n forked ranks; returns per-rank reports and the figures."""
     # Import vLLM (and this package) once here: the ranks are forked from this process.
     import vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector  # noqa: F401
 
     import vllm_fix_listener_port.patch  # noqa: F401
+    from vllm_fix_listener_port import probe
 
+    probe.vllm_config()  # the config classes' first build is slow: once here, not in every rank
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(n)
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_rank, args=(r, n, patched, env_port, barrier, out), daemon=True) for r in range(n)
+        ctx.Process(target=_rank, args=(r, n, patched, env_port, mori_version, barrier, out), daemon=True)
+        for r in range(n)
     ]
     for proc in procs:
         proc.start()
@@ -157,51 +180,40 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, siocsifflags, struct.pack("16sh22x", b"lo", flags | iff_up))
 
 
-def _connect_steals(patched: bool) -> dict[str, Any]:
-    """One rank: from_vllm_config, then an unrelated outgoing connect(), then the native bind."""
-    import vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector  # noqa: F401
+def _connect_steals(patched: bool, mori_version: str = "1.2.2") -> dict[str, Any]:
+    """One rank: vLLM's real __init__, and an unrelated outgoing connect() right before the native bind."""
     from vllm.distributed import parallel_state
-    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 
-    from vllm_fix_core import runtime
-    from vllm_fix_listener_port import patch, plugin, probe
-    from vllm_fix_listener_port.emulation import RDMA, IOEngine, IOEngineConfig
+    from vllm_fix_testing import mori_io
 
     os.environ.pop("VLLM_PORT", None)
+    mori_io.put_mori(mori_version)  # the namespace leader exits afterwards
+    mori_io.install_in_vllm(mori_io.plain_setattr)
     parallel_state._TP = SimpleNamespace(rank_in_group=0, world_size=1)
     if patched:
-        plugin.register()
-        decision = runtime.decisions()["listener-port"]
-        if decision.rung.value != "applied":
-            raise RuntimeError(decision.message)
+        install_fix_in_this_process()
     server = socket.socket()
     server.bind(("127.0.0.1", 50000))  # outside the ephemeral range
     server.listen(1)
     client = socket.socket()
-    worker = SimpleNamespace()
     report: dict[str, Any] = {}
 
-    def init() -> None:
-        worker.moriio_config = moriio_common.MoRIIOConfig.from_vllm_config(probe.vllm_config())
-        worker.local_kv_port = worker.moriio_config.local_kv_port
-        report["allocated"] = worker.local_kv_port
+    def connect_first(engine: Any) -> None:
+        report["allocated"] = engine.config.port
         client.connect(("127.0.0.1", 50000))  # auto-binds a local port from the same pool
         report["client_port"] = client.getsockname()[1]
-        config = IOEngineConfig(worker.moriio_config.local_ip, worker.local_kv_port)
-        worker.moriio_engine = IOEngine("r0", config)
-        worker.moriio_engine.create_backend(RDMA)
 
+    mori_io.IOEngine.before_bind = connect_first
+    vllm_config, kv_cache_config = worker_configs()
     try:
-        if patched:
-            patch.worker_init_wrapper(init, worker, (), {})
-        else:
-            init()
+        worker = moriio_connector.MoRIIOConnectorWorker(vllm_config, "engine-0", kv_cache_config)
         report.update(error=None, published=worker.moriio_engine.get_engine_desc().port)
         report["worker_port"] = worker.local_kv_port
-        worker.moriio_engine.close()
     except OSError as exc:
         report.update(error=exc.strerror, published=None)
     finally:
+        mori_io.IOEngine.close_all()
         client.close()
         server.close()
     return report
@@ -256,7 +268,7 @@ def run_in_netns(scenario: str, n: int, patched: bool, port_range: tuple[int, in
 
 
 @pytest.fixture
-def race() -> Callable[[int, bool, int | None], dict[str, Any]]:
+def race() -> Callable[..., dict[str, Any]]:
     return run_race
 
 
@@ -290,63 +302,26 @@ def fresh_port_base() -> int:
     raise RuntimeError("no free port range for the race")
 
 
-def _make_real_worker(monkeypatch: pytest.MonkeyPatch, backend: str, report_port: int | None) -> Any:
-    """Run vLLM's REAL MoRIIOConnectorWorker.__init__ with MORI emulated.
-
-    Fakes: the names vLLM imports from ``mori.io`` (absent here), the world / TP
-    groups (torch.distributed groups need GPUs) and the attention-backend lookup
-    at the end of __init__ (a GPU platform question). Everything else is vLLM's.
-    """
-    import functools
-
-    from vllm.distributed import parallel_state
-    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector, moriio_engine
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    from vllm_fix_listener_port import emulation, probe
-
-    backend_type = SimpleNamespace(RDMA=emulation.RDMA, XGMI=emulation.XGMI)
-    engine_cls = functools.partial(emulation.IOEngine, report_port=report_port)
-    monkeypatch.setattr(moriio_connector, "MoRIIO_enabled", True)
-    for module in (moriio_connector, moriio_engine):
-        monkeypatch.setattr(module, "BackendType", backend_type, raising=False)
-    monkeypatch.setattr(moriio_connector, "IOEngine", engine_cls, raising=False)
-    monkeypatch.setattr(moriio_connector, "IOEngineConfig", emulation.IOEngineConfig, raising=False)
-    monkeypatch.setattr(moriio_engine, "RdmaBackendConfig", lambda *a, **k: (a, k), raising=False)
-    monkeypatch.setattr(moriio_engine, "XgmiBackendConfig", lambda *a, **k: (a, k), raising=False)
-    monkeypatch.setattr(moriio_engine, "PollCqMode", SimpleNamespace(POLLING="polling"), raising=False)
-    monkeypatch.setattr(
-        moriio_connector, "get_attn_backend", lambda *a, **k: SimpleNamespace(get_name=lambda: "EMULATED")
-    )
-    monkeypatch.setattr(parallel_state, "_WORLD", SimpleNamespace(rank=0, local_rank=0))
-    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(rank_in_group=0, world_size=1))
-    extra = dict(probe.EXTRA_CONFIG, backend=backend)
-    vllm_config = probe.vllm_config(extra)
-    vllm_config.cache_config = SimpleNamespace(block_size=16, cache_dtype="auto")
-    vllm_config.model_config = SimpleNamespace(use_mla=False, dtype="bfloat16", get_head_size=lambda: 128)
-    kv_cache_config = KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
-    return moriio_connector.MoRIIOConnectorWorker(vllm_config, "engine-0", kv_cache_config)
-
-
 @pytest.fixture
 def real_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
-    from vllm_fix_listener_port import emulation
+    """Build vLLM's REAL MoRIIOConnectorWorker (its __init__ as installed) with MORI stood in."""
+    from vllm.distributed import parallel_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 
+    from vllm_fix_testing import mori_io
+
+    mori_io.install_in_vllm(monkeypatch.setattr)
+    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(rank_in_group=0, world_size=1))
     made: list[Any] = []
 
-    def make(backend: str = "rdma", report_port: int | None = None) -> Any:
-        worker = _make_real_worker(monkeypatch, backend, report_port)
+    def make(backend: str = "rdma") -> Any:
+        vllm_config, kv_cache_config = worker_configs(backend)
+        worker = moriio_connector.MoRIIOConnectorWorker(vllm_config, "engine-0", kv_cache_config)
         made.append(worker)
         return worker
 
     yield make
     for worker in made:
-        executor = getattr(worker, "_handshake_initiation_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=False)
-        context = getattr(worker, "zmq_context", None)
-        if context is not None:
-            context.term()
-    for engine in emulation.IOEngine.instances:
-        engine.close()
-    emulation.IOEngine.instances.clear()
+        close_worker(worker)
+    mori_io.IOEngine.close_all()
+    mori_io.IOEngine.before_bind = None

@@ -11,8 +11,8 @@ import socket
 
 import pytest
 
-from vllm_fix_listener_port.emulation import mori_listen
 from vllm_fix_listener_port.reserve import hold, hold_scanning, reserve_port
+from vllm_fix_testing.mori_io import mori_listen
 
 HOST = "127.0.0.1"
 
@@ -146,3 +146,62 @@ def test_vllm_get_open_port_scan_skips_a_held_port(monkeypatch: pytest.MonkeyPat
     with reserve_port("") as held:
         monkeypatch.setenv("VLLM_PORT", str(held.port))
         assert get_open_port() != held.port
+
+
+# ---- the fallback as the fix uses it (older MORI): held on the wildcard, MORI binds the host ----
+
+
+def test_wildcard_hold_lets_mori_bind_the_host_and_nobody_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_fix_listener_port.reserve import hold_for_listener
+
+    monkeypatch.delenv("VLLM_PORT", raising=False)
+    reservation = hold_for_listener("127.0.0.1")
+    try:
+        assert reservation.port != 0
+        for host in ("", "127.0.0.1"):  # vLLM's get_open_port binds the wildcard
+            with socket.socket() as other, pytest.raises(OSError) as err:
+                other.bind((host, reservation.port))
+            assert err.value.errno == errno.EADDRINUSE
+        listener = mori_listen("127.0.0.1", reservation.port)  # MORI: SO_REUSEADDR, bind, listen
+    finally:
+        reservation.release()
+    try:
+        assert listener.getsockname()[1] == reservation.port
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("", reservation.port))  # the listener holds it now
+    finally:
+        listener.close()
+
+
+def test_hold_for_listener_scans_from_vllm_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_fix_listener_port.reserve import hold_for_listener
+
+    with reserve_port("127.0.0.1") as first:
+        monkeypatch.setenv("VLLM_PORT", str(first.port))
+        second = hold_for_listener("127.0.0.1")
+        try:
+            assert second.port > first.port  # the held port is skipped, like a busy one
+        finally:
+            second.release()
+    monkeypatch.setenv("VLLM_PORT", "not-a-port")
+    with pytest.raises(ValueError, match="VLLM_PORT='not-a-port'"):
+        hold_for_listener("127.0.0.1")
+
+
+def test_hold_kept_for_an_owner_ends_with_release_or_collection() -> None:
+    from vllm_fix_listener_port.reserve import held_ports, hold, keep_until_released, release_for
+
+    class Owner:
+        pass
+
+    owner, other = Owner(), Owner()
+    first, second = hold("127.0.0.1"), hold("127.0.0.1")
+    keep_until_released(owner, first)
+    keep_until_released(other, second)
+    assert {first.port, second.port} <= set(held_ports())
+    release_for(owner)
+    assert not first.held and second.held
+    release_for(owner)  # twice: a no-op
+    del other  # collected: the hold ends with it
+    assert not second.held
+    assert not {first.port, second.port} & set(held_ports())

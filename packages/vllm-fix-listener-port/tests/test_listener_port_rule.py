@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_fix_listener_port.emulation import EngineDesc
 from vllm_fix_listener_port.rule import (
     ListenerPortError,
     adopt_native_port,
     let_native_engine_choose,
     native_port,
 )
+from vllm_fix_testing.mori_io import EngineDesc
 
 
 class Engine:

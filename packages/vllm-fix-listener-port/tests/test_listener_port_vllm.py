@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import ast
-import contextlib
-import os
 import socket
 from types import SimpleNamespace
 from typing import Any
@@ -15,11 +13,14 @@ from vllm_fix_core import PatchSet, Rung, UnknownShape, runtime
 from vllm_fix_core.patching import layers_of
 from vllm_fix_listener_port import patch, probe
 from vllm_fix_listener_port.declaration import FIX
+from vllm_fix_listener_port.reserve import held_ports
 from vllm_fix_listener_port.rule import ListenerPortError
-from vllm_fix_testing import STRICT, applied, vllm_version
+from vllm_fix_testing import STRICT, applied, assert_hostile_wrapper_fails, mori_io, vllm_version
+from vllm_fix_testing.mori_io import installed_mori
 
-# Spec §1.1: both releases carry the defect.
+# Both releases carry the defect.
 AFFECTED = {"0.32.0": True, "0.33.0": True}
+OLD_MORI = "0.0.1.dev20+g0000000"  # a build from before MORI reported auto-bound ports
 
 
 def _classes() -> tuple[Any, Any]:
@@ -41,48 +42,88 @@ def tp_group(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(rank_in_group=0, world_size=1))
 
 
-def test_probe_matches_spec_unpatched() -> None:
+def test_probe_matches_spec_unpatched(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_PORT", raising=False)
     report = FIX.run_probe()
     assert report.affected is AFFECTED[str(vllm_version())]
-    assert report.names(True) == ["kv-port-chosen-before-native-bind"]
+    assert report.names(True) == ["kv-port-released-before-native-bind"]
     assert not report.broken_guards
+
+
+def test_probe_under_vllm_port_sees_two_ranks_on_one_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        base = sock.getsockname()[1]
+    monkeypatch.setenv("VLLM_PORT", str(base))
+    report = FIX.run_probe()
+    assert report.affected
+    assert "both ranks got the same port" in report.checks[0].detail
 
 
 def test_probe_fixed_after_apply() -> None:
     with applied(FIX) as decision:
         assert decision.rung is Rung.APPLIED
+        assert decision.shape is not None and "; port 0:" in decision.shape
         report = FIX.run_probe()
         assert not report.affected, report.summary()
         assert not report.broken_guards
     assert FIX.run_probe().affected
 
 
-@pytest.mark.parametrize("patched", [False, True])
-def test_probe_opens_no_socket_and_changes_no_vllm_state(
-    patched: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_hostile_wrapper_over_both_targets_fails_to_fix() -> None:
+    """vLLM's own from_vllm_config / __init__ layered over the fix: the probe must see the bug."""
+    before = _raw()
+    decision = assert_hostile_wrapper_fails(FIX)
+    assert "kv-port-released-before-native-bind" in decision.reason
+    assert _raw()[0] is before[0] and _raw()[1] is before[1]
+
+
+def test_hostile_wrapper_fails_with_an_older_mori_too() -> None:
+    with installed_mori(OLD_MORI):
+        decision = assert_hostile_wrapper_fails(FIX)
+    assert decision.shape is not None and "; held reservation:" in decision.shape
+    assert held_ports() == []
+
+
+@pytest.mark.parametrize("tp_before", ["none", "real"])
+def test_probe_leaves_the_tp_group_and_no_hold(tp_before: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.distributed import parallel_state
-    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common
 
-    def no_socket(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("the probe opened a socket")
+    group = None if tp_before == "none" else SimpleNamespace(rank_in_group=1, world_size=2)
+    monkeypatch.setattr(parallel_state, "_TP", group)
+    with installed_mori(OLD_MORI), applied(FIX):
+        assert not FIX.run_probe().affected
+        assert parallel_state._TP is group
+        assert held_ports() == []  # the probe's holds ended with its configs
 
-    with applied(FIX) if patched else contextlib.nullcontext():
-        module_globals = dict(moriio_common.__dict__)
-        tp_group = parallel_state._TP
-        environ = dict(os.environ)
-        monkeypatch.setattr(socket, "socket", no_socket)
-        report = FIX.run_probe()
-        monkeypatch.undo()
-        assert report.affected is (not patched)
-        assert parallel_state._TP is tp_group
-        assert dict(os.environ) == environ
-        assert moriio_common.__dict__.keys() == module_globals.keys()
-        assert all(moriio_common.__dict__[k] is v for k, v in module_globals.items())
+
+def test_port_zero_with_a_mori_that_cannot_report_it_is_a_broken_guard(tp_group: None) -> None:
+    """Forcing port 0 on an older MORI would publish port 0: the probe says so (the ladder reverts)."""
+    with installed_mori(OLD_MORI):
+        patchset = PatchSet(FIX.id)
+        try:
+            patch.apply(patchset, "forced; port 0: test")
+            report = FIX.run_probe()
+        finally:
+            patchset.revert()
+    assert not report.affected
+    assert list(report.broken_guards) == ["kv-port-0-reported-by-mori"]
 
 
 def test_shape_is_the_expected_one() -> None:
-    assert patch.recognize() == f"vllm-{vllm_version()}"
+    assert patch.recognize().startswith(f"vllm-{vllm_version()}; port 0: MORI not installed")
+    with installed_mori("1.2.2"):
+        assert patch.recognize() == f"vllm-{vllm_version()}; port 0: MORI 1.2.2: reports an auto-bound port"
+    with installed_mori(OLD_MORI):
+        assert patch.recognize().startswith(f"vllm-{vllm_version()}; held reservation: MORI {OLD_MORI}")
+
+
+def test_rdma_only_config_without_backend_field_is_recognized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Older MoRIIO trees have no ``backend`` field (RDMA only): same fix, treated as RDMA."""
+    config_cls, _ = _classes()
+    fields = {k: v for k, v in config_cls.__dataclass_fields__.items() if k != "backend"}
+    monkeypatch.setattr(config_cls, "__dataclass_fields__", fields)
+    assert "; port 0:" in patch.recognize()
 
 
 def test_real_from_vllm_config_negative_and_positive(tp_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,6 +147,25 @@ def test_real_from_vllm_config_negative_and_positive(tp_group: None, monkeypatch
     assert fixed.local_ping_port == first.local_ping_port  # documented, untouched
 
 
+def test_real_from_vllm_config_holds_distinct_ports_with_an_older_mori(
+    tp_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config_cls, _ = _classes()
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        base = sock.getsockname()[1]
+    monkeypatch.setenv("VLLM_PORT", str(base))
+    with installed_mori(OLD_MORI), applied(FIX):
+        first = config_cls.from_vllm_config(probe.vllm_config())
+        second = config_cls.from_vllm_config(probe.vllm_config())
+        ports = [first.local_kv_port, second.local_kv_port]
+        assert len(set(ports)) == 2 and min(ports) >= base
+        assert set(ports) <= probe.ports_held_here()  # held by this process until MORI binds
+        assert held_ports() == sorted(ports)
+        del first, second
+        assert held_ports() == []
+
+
 def test_bad_config_keeps_vllms_error(tp_group: None) -> None:
     config_cls, _ = _classes()
     bad = probe.vllm_config(dict(probe.EXTRA_CONFIG, backend="bogus"))
@@ -124,7 +184,7 @@ def test_real_worker_init_unpatched_binds_the_probed_port(real_worker: Any) -> N
 
 
 def test_real_worker_init_patched_adopts_the_bound_port(real_worker: Any) -> None:
-    with applied(FIX):
+    with installed_mori("1.2.2"), applied(FIX):
         worker = real_worker()
     engine = worker.moriio_engine
     assert engine.config.port == 0  # the native listener chose
@@ -132,14 +192,46 @@ def test_real_worker_init_patched_adopts_the_bound_port(real_worker: Any) -> Non
     assert bound != 0
     assert worker.local_kv_port == worker.moriio_config.local_kv_port == bound
     assert engine.get_engine_desc().port == bound  # what vLLM publishes (get_agent_metadata)
-    # Someone else cannot take it: the listener holds it.
     with socket.socket() as other, pytest.raises(OSError):
         other.bind((worker.local_ip, bound))
 
 
-def test_real_worker_init_port_zero_is_a_clear_error(real_worker: Any) -> None:
-    with applied(FIX), pytest.raises(ListenerPortError, match="reports listen port 0"):
-        real_worker(report_port=0)
+def test_real_worker_init_with_an_older_mori_binds_the_held_port(real_worker: Any) -> None:
+    seen: dict[str, Any] = {}
+
+    def before_bind(engine: Any) -> None:  # right before MORI's bind: the port is still held
+        seen["port"] = engine.config.port
+        seen["held"] = held_ports()
+
+    with installed_mori(OLD_MORI), applied(FIX):
+        mori_io.IOEngine.before_bind = before_bind
+        worker = real_worker()
+    engine = worker.moriio_engine
+    assert seen["port"] != 0 and seen["held"] == [seen["port"]]
+    assert engine.listener.getsockname()[1] == seen["port"] == worker.local_kv_port
+    assert worker.moriio_config.local_kv_port == engine.get_engine_desc().port == seen["port"]
+    assert held_ports() == []  # released once the listener is up
+
+
+def test_real_worker_init_failure_releases_the_hold(real_worker: Any) -> None:
+    def fail(engine: Any) -> None:
+        raise OSError(98, "Address already in use")
+
+    with installed_mori(OLD_MORI), applied(FIX):
+        mori_io.IOEngine.before_bind = fail
+        with pytest.raises(OSError):
+            real_worker()
+    assert held_ports() == []
+
+
+def test_real_worker_init_port_zero_unreported_is_a_clear_error(real_worker: Any) -> None:
+    """A MORI whose version claims auto-bind but reports 0: a clear error, never a silent port 0."""
+    with (
+        installed_mori("1.2.2", auto_bind=False),
+        applied(FIX),
+        pytest.raises(ListenerPortError, match="reports listen port 0"),
+    ):
+        real_worker()
 
 
 def test_real_worker_init_xgmi_untouched(real_worker: Any) -> None:

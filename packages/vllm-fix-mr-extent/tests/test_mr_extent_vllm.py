@@ -1,5 +1,8 @@
 """On the installed vLLM (0.32.0 and 0.33.0): negative controls, the fix, properties, lifecycle.
 
+The probe's inputs are attention layers (every release with a shared MR); the KDA inputs
+(vLLM 0.31.0+) and the property layouts come from vllm_fix_testing.kv_storage.
+
 The KV storage is host memory placed at chosen addresses; the builder under test is vLLM's
 real MoRIIOConnectorWorker._build_shared_kv_mr, unpatched and patched.
 """
@@ -22,18 +25,37 @@ from vllm_fix_core.patching import original_of
 from vllm_fix_core.settings import Settings
 from vllm_fix_mr_extent import FIX, patch, probe
 from vllm_fix_mr_extent.rule import PAGE_SIZE, SharedMRError, align_down, registration_problems
-from vllm_fix_testing import applied, vllm_version
+from vllm_fix_testing import applied, assert_hostile_wrapper_fails, vllm_version
+from vllm_fix_testing import kv_storage as kv
 
 WORKER = mc.MoRIIOConnectorWorker
 ORIGINAL = original_of(WORKER, "_build_shared_kv_mr")
 KNOWN = "9d889e36e282c898"
 
-# Unpatched outcome per failing input (moriio-read.md §2.3/§2.4), the same in both releases.
+
+def kda_tail_unaligned() -> probe.Scenario:
+    """Storage at 128 mod 4096, one KDA layer ending at the storage end."""
+    storage = kv.backing(128, 8192)
+    caches = {"kda": kv.kda_cache(storage, 8192 - 2 * kv.KDA_PAGE)}
+    return probe.Scenario("kda-tail-unaligned", "", storage, caches, {"kda": kv.kda_spec()})
+
+
+def kda_unpadded_tail() -> probe.Scenario:
+    """Aligned storage of 8256 bytes, the last KDA layer ending at its end."""
+    storage = kv.backing(0, 8256)
+    caches = {"kda0": kv.kda_cache(storage, 0), "kda1": kv.kda_cache(storage, 8256 - 2 * kv.KDA_PAGE)}
+    return probe.Scenario("kda-unpadded-tail", "", storage, caches, {n: kv.kda_spec() for n in caches})
+
+
+FAILING = (*probe.FAILING, kda_tail_unaligned, kda_unpadded_tail)
+
+# Unpatched outcome per failing input, the same in both releases.
 TOO_SMALL = r"ValueError: shared KV backing too small for page-aligned MR: "
 UNPATCHED = {
     "kda-tail-unaligned": TOO_SMALL + "need 12288, have 8192",
+    "kda-unpadded-tail": TOO_SMALL + "need 12288, have 8256",
     "page-boundary-unaligned": r"RuntimeError: .*invalid storage offset -128",
-    "unpadded-tail": TOO_SMALL + "need 12288, have 8256",
+    "unpadded-tail": TOO_SMALL + "need 20480, have 16448",
     "split-kv-later-region": r"layer 'attn' region 1 .* is not inside the registration",
 }
 
@@ -63,7 +85,7 @@ def test_releases_under_test() -> None:
 # ---- negative controls and the fix on the §2.3 inputs ------------------------------------------
 
 
-@pytest.mark.parametrize("make", probe.FAILING, ids=[f.__name__ for f in probe.FAILING])
+@pytest.mark.parametrize("make", FAILING, ids=[f.__name__ for f in FAILING])
 def test_failing_input_unpatched(make: Any) -> None:
     scenario = make()
     found = probe.problems(scenario)
@@ -80,7 +102,7 @@ def test_later_region_outside_unpatched_registration() -> None:
     assert reg.data_ptr() + reg.numel() == hi - 4096  # the MR ends 4 KiB before the V plane ends
 
 
-@pytest.mark.parametrize("make", probe.FAILING, ids=[f.__name__ for f in probe.FAILING])
+@pytest.mark.parametrize("make", FAILING, ids=[f.__name__ for f in FAILING])
 def test_failing_input_patched(make: Any, fixed: None) -> None:
     scenario = make()
     assert probe.problems(scenario) == []
@@ -94,7 +116,7 @@ def test_failing_input_patched(make: Any, fixed: None) -> None:
 
 
 def test_spec_table_results(fixed: None) -> None:
-    tail = probe.kda_tail_unaligned()
+    tail = kda_tail_unaligned()
     reg, offsets = build(tail)
     ptr = tail.kv_caches["kda"].data_ptr()
     end = tail.storage.untyped_storage().data_ptr() + 8192
@@ -105,10 +127,12 @@ def test_spec_table_results(fixed: None) -> None:
     )
     boundary = probe.page_boundary_unaligned()
     reg, offsets = build(boundary)
-    assert reg.data_ptr() == boundary.kv_caches["kda"].data_ptr() and offsets == {"kda": 0}
-    unpadded = probe.unpadded_tail()
+    assert reg.data_ptr() == boundary.kv_caches["attn"].data_ptr() and offsets == {"attn": 0}
+    unpadded = kda_unpadded_tail()
     reg, _ = build(unpadded)
     assert reg.numel() == 8256
+    reg, _ = build(probe.unpadded_tail())
+    assert reg.numel() == 2 * probe.LAYER_BYTES + 64
 
 
 @pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
@@ -123,16 +147,25 @@ def test_aligned_control_both_ways(patched: bool) -> None:
         found = probe.problems(scenario)
     assert found == []
     start = scenario.storage.data_ptr()
-    # Unpatched: the whole page-rounded backing; patched: exactly up to the highest region end
-    # (kda1's SSM region: 4096 + 16 + 2 slots x 32 bytes).
-    length = 4096 + 16 + 2 * probe.KDA_PAGE if patched else 8192
+    # Both ways: the whole backing (the second layer ends exactly at the padded storage end).
+    length = 2 * probe.LAYER_BYTES
     assert (reg.data_ptr(), reg.numel(), reg.dtype, reg.is_contiguous()) == (start, length, torch.uint8, True)
+    assert offsets == {"attn0": 0, "attn1": probe.LAYER_BYTES}
+
+
+def test_kda_control_exact_extent(fixed: None) -> None:
+    """Aligned KDA layers: patched, the MR ends exactly at kda1's SSM region end."""
+    storage = kv.backing(0, 8192)
+    caches = {"kda0": kv.kda_cache(storage, 0), "kda1": kv.kda_cache(storage, PAGE_SIZE)}
+    scenario = probe.Scenario("kda-control", "", storage, caches, {n: kv.kda_spec() for n in caches})
+    reg, offsets = build(scenario)
+    assert (reg.data_ptr(), reg.numel()) == (storage.data_ptr(), 4096 + 16 + 2 * kv.KDA_PAGE)
     assert offsets == {"kda0": 0, "kda1": PAGE_SIZE}
 
 
 def test_probe_verdict_per_release() -> None:
     before = FIX.run_probe()
-    assert before.affected, before.summary()  # both releases carry the bug (§2.1)
+    assert before.affected, before.summary()  # both releases carry the bug
     assert set(before.names(True)) == {
         "unaligned-storage-base",
         "unpadded-storage-extent",
@@ -148,12 +181,12 @@ def test_probe_verdict_per_release() -> None:
 
 
 def two_storages() -> probe.Scenario:
-    first, second = probe.backing(0, 8192), probe.backing(0, 8192)
+    first, second = kv.backing(0, 8192), kv.backing(0, 8192)
     caches = {
-        "model.layers.0.attn": probe.kda_cache(first, 0),
-        "model.layers.9.attn": probe.kda_cache(second, 0),
+        "model.layers.0.attn": kv.kda_cache(first, 0),
+        "model.layers.9.attn": kv.kda_cache(second, 0),
     }
-    specs = {n: probe.kda_spec() for n in caches}
+    specs = {n: kv.kda_spec() for n in caches}
     return probe.Scenario("two-storages", "", first, caches, specs, (second,))
 
 
@@ -176,16 +209,16 @@ def test_other_storage_refused_patched(fixed: None) -> None:
 
 
 def test_region_in_first_partial_page_refused_clearly(fixed: None) -> None:
-    storage = probe.backing(128, 8192)
-    caches = {"kda": probe.kda_cache(storage, 0)}
-    scenario = probe.Scenario("head", "", storage, caches, {"kda": probe.kda_spec()})
+    storage = kv.backing(128, 8192)
+    caches = {"kda": kv.kda_cache(storage, 0)}
+    scenario = probe.Scenario("head", "", storage, caches, {"kda": kv.kda_spec()})
     with pytest.raises(SharedMRError, match=r"'kda'.*partial 4096-byte page"):
         build(scenario)
 
 
 # ---- properties on real vLLM layers ------------------------------------------------------------
 
-ATTN_PLANE = 16 * 128 * 2  # one split-K/V block plane (fp16)
+ATTN_PLANE = kv.ATTN_PLANE
 
 
 @st.composite
@@ -200,22 +233,22 @@ def vllm_layouts(draw: st.DrawFn) -> probe.Scenario:
             sizes.append(("kda", draw(st.integers(1, 8))))
         else:
             sizes.append(("attn", draw(st.integers(1, 2))))
-    nbytes_of = {"kda": probe.KDA_PAGE, "attn": 2 * ATTN_PLANE}
+    nbytes_of = {"kda": kv.KDA_PAGE, "attn": 2 * ATTN_PLANE}
     layers = []
     cursor = draw(st.integers(0, 64).map(lambda x: x * 64))
     for kind, count in sizes:
         layers.append((kind, count, cursor))
         cursor += nbytes_of[kind] * count + draw(st.integers(0, 8).map(lambda x: x * 64))
     tail = draw(st.integers(0, 4096).map(lambda x: x // 16 * 16))
-    storage = probe.backing(start_mod, cursor + tail)
+    storage = kv.backing(start_mod, cursor + tail)
     caches: dict[str, Any] = {}
     specs: dict[str, Any] = {}
     for i, (kind, count, off) in enumerate(layers):
         name = f"layers.{i}.{kind}"
         if kind == "kda":
-            caches[name], specs[name] = probe.kda_cache(storage, off, count), probe.kda_spec()
+            caches[name], specs[name] = kv.kda_cache(storage, off, count), kv.kda_spec()
         else:
-            caches[name], specs[name] = probe.split_kv_cache(storage, off, count), probe.attention_spec()
+            caches[name], specs[name] = kv.split_kv_cache(storage, off, count), kv.attention_spec()
     order = draw(st.permutations(list(caches)))
     return probe.Scenario("random", "", storage, {n: caches[n] for n in order}, specs)
 
@@ -245,7 +278,27 @@ def test_patched_builder_properties(scenario: probe.Scenario) -> None:
 
 def test_known_shape_on_this_release() -> None:
     assert ast_fingerprint(ORIGINAL) == KNOWN
-    assert patch.recognize() == "vllm-0.32.0/0.33.0"
+    assert patch.recognize() == "vllm-0.29.0..0.33.0"
+
+
+def test_hostile_wrapper_over_the_builder_fails_to_fix() -> None:
+    """A layer that calls vLLM's own body over the fix: the probe must see the bug again."""
+    decision = assert_hostile_wrapper_fails(FIX)
+    assert "unaligned-storage-base" in decision.reason
+    assert WORKER.__dict__["_build_shared_kv_mr"] is ORIGINAL
+
+
+def test_no_shared_mr_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM without _build_shared_kv_mr (before 0.29.0) has no shared MR: not applicable."""
+    from vllm_fix_core import NotApplicable
+
+    monkeypatch.delattr(WORKER, "_build_shared_kv_mr")
+    with pytest.raises(NotApplicable, match="no shared KV memory region"):
+        probe.probe()
+    with pytest.raises(NotApplicable):
+        patch.recognize()
+    decision = evaluate(FIX, Settings(disabled=frozenset(), strict=True), apply=True)
+    assert decision.rung is Rung.NOT_APPLICABLE, decision.message
 
 
 def test_idempotent_and_exact_revert() -> None:

@@ -93,3 +93,31 @@ def test_engine_behind_real_wrapper() -> None:
     sess.status_factory = lambda _call: failed("remote access error", 10)
     assert wrapper.read_remote_data([1], [0], [0], sess).Failed()
     assert [c.uid for c in engine.reads] == [1, 2]
+
+
+def test_mori_io_listener_reports_per_mori_behaviour() -> None:
+    import socket
+
+    from vllm_fix_testing.mori_io import RDMA, IOEngine, IOEngineConfig, installed_mori
+
+    with installed_mori("1.2.2"):
+        engine = IOEngine("new", IOEngineConfig("127.0.0.1", 0))
+        engine.create_backend(RDMA)
+        assert engine.get_engine_desc().port == engine.listener.getsockname()[1] != 0  # type: ignore[union-attr]
+        engine.close()
+    with installed_mori("0.0.1.dev20+g0000000"):
+        engine = IOEngine("old", IOEngineConfig("127.0.0.1", 0))
+        engine.create_backend(RDMA)
+        assert engine.listener is not None and engine.get_engine_desc().port == 0  # bound, unreported
+        engine.close()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        engine = IOEngine("clash", IOEngineConfig("127.0.0.1", taken.getsockname()[1]))
+        try:
+            engine.create_backend(RDMA)
+        except OSError as exc:
+            assert exc.strerror == "Address already in use"
+        else:
+            raise AssertionError("a bind on a listening port succeeded")
+    IOEngine.close_all()

@@ -21,14 +21,19 @@ FIX = Fix(
         "another rank's probe or to an unrelated outgoing connection before MORI binds it."
     ),
     how=(
-        "Wrap MoRIIOConfig.from_vllm_config so the RDMA config carries local_kv_port=0: MORI's "
-        "listener then binds port 0 and the kernel picks a free port atomically. Wrap "
-        "MoRIIOConnectorWorker.__init__ with a post-init fix-up that reads the real port back "
-        "from moriio_engine.get_engine_desc().port once the listener is up and stores it in "
-        "worker.local_kv_port and moriio_config.local_kv_port; if the RDMA backend reports port "
-        "0 it fails with a clear error. vLLM publishes the kv port only inside that engine "
-        "descriptor, after the bind, so nothing on the wire changes. The XGMI backend (no TCP "
-        "listener) and the unused local_ping_port are left as vLLM sets them."
+        "Wrap MoRIIOConfig.from_vllm_config so the RDMA config never carries a released port. "
+        "With a MORI that reports the port its listener auto-bound (every tag from v0.1.0, "
+        "recognized by MORI's version) the config asks for port 0 and the kernel picks a free "
+        "port atomically at MORI's bind. With an older or unversioned MORI the config carries "
+        "a port this process holds (a bound, non-listening socket: exclusive bind, then "
+        "SO_REUSEADDR so MORI's listener can bind it; scanned from VLLM_PORT when set) until "
+        "the worker's __init__ has started MORI's listener. Wrap "
+        "MoRIIOConnectorWorker.__init__ to end that hold (also when __init__ raises) and to "
+        "store the port the engine descriptor reports in worker.local_kv_port and "
+        "moriio_config.local_kv_port; an RDMA backend reporting port 0 is a clear "
+        "ListenerPortError. vLLM publishes the kv port only inside that engine descriptor, "
+        "after the bind, so nothing on the wire changes. XGMI (no TCP listener) and the "
+        "unused local_ping_port are left as vLLM sets them."
     ),
     retire_when=(
         "vLLM's from_vllm_config no longer assigns local_kv_port from get_open_port() and the "
@@ -48,6 +53,7 @@ FIX = Fix(
     trigger=CONNECTOR,
     spec="listener-port-and-k3-eof.md §1",
     notes=(
+        "Affected and fixed on every vLLM release from 0.24.0 to 0.33.0.",
         "local_ping_port is still filled by vLLM's get_open_port() probe: nothing binds, "
         "publishes or reads it (it only appears in the unused metadata_address), so the fix "
         "neither reserves nor rewrites it.",

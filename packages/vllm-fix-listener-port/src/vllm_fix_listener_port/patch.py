@@ -1,7 +1,15 @@
-"""Apply: two stateless wrappers (config asks for port 0; worker adopts the bound port).
+"""Apply: two stateless-per-call wrappers (the config's kv port; the worker adopts what MORI bound).
 
-Both wrappers only touch ``local_kv_port`` and compose with any other fix's
-wrapper on the same targets (vllm_fix_core.PatchSet layers them), in either order.
+The strategy follows the installed MORI (mori_support), decided in ``recognize``:
+
+* ``port 0``: MORI reports an auto-bound port, so the RDMA config asks its listener for
+  port 0 and the kernel chooses at bind time;
+* ``held reservation``: an older (or unversioned) MORI would report 0, so the config
+  carries a port this process holds (reserve.py) until the worker's ``__init__`` has
+  started MORI's listener; then the hold is released.
+
+Both wrappers only touch ``local_kv_port`` and compose with any other fix's wrapper on
+the same targets (vllm_fix_core.PatchSet layers them), in either order.
 """
 
 from __future__ import annotations
@@ -10,13 +18,17 @@ import ast
 from typing import Any
 
 from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger, original_of
-from vllm_fix_listener_port.rule import adopt_native_port, let_native_engine_choose
+from vllm_fix_listener_port.mori_support import installed_mori
+from vllm_fix_listener_port.reserve import hold_for_listener, keep_until_released, release_for
+from vllm_fix_listener_port.rule import adopt_native_port, is_rdma, let_native_engine_choose
 
 # (from_vllm_config, MoRIIOConnectorWorker.__init__) normalized-AST fingerprints.
 KNOWN_SHAPES = {
     ("b76105651890c6b7", "9c7f54fd1e2be239"): "vllm-0.32.0",
     ("b76105651890c6b7", "f3895dfaa3153145"): "vllm-0.33.0",
 }
+PORT_ZERO = "port 0"
+HELD_RESERVATION = "held reservation"
 _logger = get_logger("listener-port")
 
 
@@ -31,14 +43,35 @@ def config_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
     return let_native_engine_choose(wrapped(*args, **kwargs))
 
 
+def config_wrapper_reserving(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """MoRIIOConfig.from_vllm_config: an RDMA config carries a port this process holds.
+
+    The hold ends when the worker's __init__ returns (its listener is up) or raises, or
+    when the config is collected, whichever comes first.
+    """
+    config = wrapped(*args, **kwargs)
+    if is_rdma(config):
+        reservation = hold_for_listener(str(config.local_ip))
+        config.local_kv_port = reservation.port
+        keep_until_released(config, reservation)
+    return config
+
+
 def worker_init_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """MoRIIOConnectorWorker.__init__: once the listener is up, adopt the port it bound."""
-    wrapped(*args, **kwargs)
+    """MoRIIOConnectorWorker.__init__: once the listener is up, release any hold, adopt the bound port."""
+    try:
+        wrapped(*args, **kwargs)
+    finally:
+        config = getattr(instance, "moriio_config", None)
+        if config is not None:
+            release_for(config)
     if instance is None:
         return
     port = adopt_native_port(instance)
     if port is not None:
-        _logger.debug("MoRIIO RDMA listener bound port %d (chosen by the native engine)", port)
+        _logger.debug("MoRIIO RDMA listener bound port %d", port)
 
 
 def kv_port_value(func: Any) -> ast.expr:
@@ -86,13 +119,24 @@ def _worker_shape(init: Any) -> None:
         raise UnknownShape("MoRIIOConnectorWorker.__init__ builds config, engine, backend in another order")
 
 
+def strategy() -> tuple[str, str]:
+    """(strategy, why) for the installed MORI."""
+    mori = installed_mori()
+    if not mori.present:
+        return PORT_ZERO, mori.describe() + " (no MoRIIO worker can start; port 0 is the default)"
+    if mori.auto_bind:
+        return PORT_ZERO, mori.describe()
+    return HELD_RESERVATION, mori.describe()
+
+
 def recognize() -> str:
     config_cls, worker_cls = _classes()
     raw = original_of(config_cls, "from_vllm_config")
     if not isinstance(raw, classmethod):
         raise UnknownShape("MoRIIOConfig.from_vllm_config is no longer a classmethod")
     fields = getattr(config_cls, "__dataclass_fields__", {})
-    for name in ("local_kv_port", "local_ping_port", "backend"):
+    # No ``backend`` field: an RDMA-only MoRIIO, which the fix treats as RDMA.
+    for name in ("local_ip", "local_kv_port"):
         if name not in fields:
             raise UnknownShape(f"MoRIIOConfig has no {name} field")
     value = kv_port_value(raw)
@@ -101,10 +145,12 @@ def recognize() -> str:
     init = original_of(worker_cls, "__init__")
     _worker_shape(init)
     key = (ast_fingerprint(raw), ast_fingerprint(init))
-    return KNOWN_SHAPES.get(key, "structural")
+    chosen, why = strategy()
+    return f"{KNOWN_SHAPES.get(key, 'structural')}; {chosen}: {why}"
 
 
 def apply(patch: PatchSet, shape: str) -> None:
     config_cls, worker_cls = _classes()
-    patch.wrap(config_cls, "from_vllm_config", config_wrapper)
+    reserving = f"; {HELD_RESERVATION}:" in shape
+    patch.wrap(config_cls, "from_vllm_config", config_wrapper_reserving if reserving else config_wrapper)
     patch.wrap(worker_cls, "__init__", worker_init_wrapper)

@@ -1,35 +1,42 @@
-"""Does this vLLM hand MORI a kv port that Python chose (and released) before the native bind?
+"""Is the kv port MORI will bind chosen by a probe that is released before the native bind?
 
-Runs the real, installed ``MoRIIOConfig.from_vllm_config`` body for two TP ranks
-with ``SimpleNamespace`` configs, then, if this fix is installed on the target,
-through this fix's own wrapper, and reads ``local_kv_port``.
+Calls the installed ``MoRIIOConfig.from_vllm_config`` (vLLM's body with whatever is layered
+on it: this fix, another fix, anything) twice, as two ranks on one host do before either
+has started MORI's listener, with vLLM's own ``KVTransferConfig`` and ``ParallelConfig``.
+Then it looks at the two ``local_kv_port`` values the way the host sees them:
 
-The body reads two process-wide things a probe must not touch: the tensor-parallel
-group (``get_tensor_model_parallel_rank`` / ``_world_size``, which need an
-initialized distributed group) and ``get_open_port`` (sockets, ``VLLM_PORT``).
-So the probe runs vLLM's own code object under a *private copy* of its module
-globals in which those three names are stand-ins; vLLM's module, its
-``parallel_state`` and the environment are never changed, and no socket is opened.
-The ``get_open_port`` stand-in answers what ``VLLM_PORT`` scanning answers on a
-host where no rank's listener is up yet: the same first port for everyone.
+* a non-zero port that no socket of this process holds right after the call is a released
+  probe: nothing of ours holds it until MORI binds, so another rank, another process or an
+  outgoing ``connect()`` can take it first (the bug);
+* two ranks given one port (``VLLM_PORT`` scanning before any listener is up) collide;
+* port 0 is right only with a MORI that reports the port it auto-bound (mori_support);
+  with an older one every worker would fail at start-up.
 
-Other fixes' wrappers on the same target (e.g. vllm-fix-handshake-port) are not
-run: the probe asks only about ``local_kv_port``.
+The ports themselves come from vLLM's ``get_open_port`` (one throwaway socket per call,
+as vLLM opens) and from whatever the installed wrappers do; the configs are dropped at
+the end. ``from_vllm_config`` reads the tensor-parallel rank; where this process has no
+TP group yet (the ``vllm-fixes`` command, a process before distributed init) a rank-0 of 1
+stand-in is set for the two calls and removed afterwards; a real group is used as it is.
+
+The worker half of the fix (``MoRIIOConnectorWorker.__init__``: release the hold, adopt
+the bound port) only acts around MORI's real listener, which a probe must not start in a
+live process; the package's tests drive vLLM's real ``__init__`` with MORI stood in.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import types
-from collections.abc import Callable
+import os
+import socket
+import stat
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
 from vllm_fix_core import Check, ProbeReport
+from vllm_fix_listener_port.mori_support import installed_mori
 
-SCAN_BASE = 47000  # what VLLM_PORT=47000 scanning returns while nothing listens yet
-TP_SIZE = 2
 HOST = "127.0.0.1"
 EXTRA_CONFIG: dict[str, Any] = {
     "host_ip": HOST,  # resolve_host_ip: no get_ip() (it opens a socket)
@@ -40,142 +47,91 @@ EXTRA_CONFIG: dict[str, Any] = {
     "proxy_ping_port": "0",
     "backend": "rdma",
 }
-
-
-class ScanStandIn:
-    """Stands in for get_open_port(): VLLM_PORT scanning before any listener is up."""
-
-    def __init__(self, base: int = SCAN_BASE) -> None:
-        self.base = base
-        self.calls = 0
-
-    def __call__(self) -> int:
-        self.calls += 1
-        return self.base
+_TP_LOCK = threading.Lock()
 
 
 def vllm_config(extra: dict[str, Any] | None = None) -> Any:
-    return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config=dict(EXTRA_CONFIG if extra is None else extra),
-            is_kv_producer=True,
-        ),
-        parallel_config=SimpleNamespace(
-            data_parallel_rank=0, data_parallel_size_local=1, data_parallel_size=1
-        ),
+    """What from_vllm_config reads of a VllmConfig, as vLLM's own config objects."""
+    from vllm.config import KVTransferConfig, ParallelConfig
+
+    kv_transfer_config = KVTransferConfig(
+        kv_connector="MoRIIOConnector",
+        kv_role="kv_producer",
+        kv_connector_extra_config=dict(EXTRA_CONFIG if extra is None else extra),
     )
+    return SimpleNamespace(kv_transfer_config=kv_transfer_config, parallel_config=ParallelConfig())
 
 
-def _modules() -> tuple[Any, Any]:
-    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common, moriio_connector
+@contextmanager
+def tp_group() -> Iterator[None]:
+    """This process's TP group, or a rank-0-of-1 stand-in for the duration (then none again)."""
+    from vllm.distributed import parallel_state
 
-    return moriio_common, moriio_connector
-
-
-def original_from_vllm_config() -> Callable[..., Any]:
-    """vLLM's own from_vllm_config function (below every fix's layers)."""
-    from vllm_fix_core import original_of
-
-    common, _ = _modules()
-    raw = original_of(common.MoRIIOConfig, "from_vllm_config")
-    func = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
-    if not isinstance(func, types.FunctionType):
-        raise TypeError(f"MoRIIOConfig.from_vllm_config is a {type(raw).__name__}, not a function")
-    return func
+    with _TP_LOCK:
+        if getattr(parallel_state, "_TP", None) is not None:
+            yield
+            return
+        parallel_state._TP = SimpleNamespace(rank_in_group=0, world_size=1)
+        try:
+            yield
+        finally:
+            parallel_state._TP = None
 
 
-def private_body(tp_rank: int, tp_size: int, scan: Callable[[], int]) -> Callable[..., Any]:
-    """vLLM's from_vllm_config code object bound to MoRIIOConfig, under private globals."""
-    common, _ = _modules()
-    func = original_from_vllm_config()
-    scope = dict(func.__globals__)
-    scope["get_tensor_model_parallel_rank"] = lambda: tp_rank
-    scope["get_tensor_model_parallel_world_size"] = lambda: tp_size
-    scope["get_open_port"] = scan
-    clone = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
-    clone.__kwdefaults__ = func.__kwdefaults__
-    return functools.partial(clone, common.MoRIIOConfig)
+def ports_held_here() -> set[int]:
+    """Local ports of this process's TCP sockets (bound, listening or connected).
 
-
-def wrappers_on(owner: Any, attr: str) -> list[Any]:
-    """The wrapt wrapper functions layered on owner.attr, outermost first."""
-    import wrapt
-
-    found: list[Any] = []
-    obj = owner.__dict__.get(attr)
-    while isinstance(obj, wrapt.FunctionWrapper) and len(found) < 32:
-        found.append(getattr(obj, "_self_wrapper", None))
-        obj = obj.__wrapped__
-    return found
-
-
-def installed() -> tuple[bool, bool]:
-    """Is this fix's wrapper on (from_vllm_config, MoRIIOConnectorWorker.__init__)?"""
-    from vllm_fix_listener_port import patch
-
-    common, connector = _modules()
-    return (
-        patch.config_wrapper in wrappers_on(common.MoRIIOConfig, "from_vllm_config"),
-        patch.worker_init_wrapper in wrappers_on(connector.MoRIIOConnectorWorker, "__init__"),
-    )
-
-
-def build(tp_rank: int, ours: bool) -> tuple[Any, Any, int]:
-    """(vLLM's config, the config after this fix's wrapper if installed, probe calls)."""
-    from vllm_fix_listener_port import patch
-
-    common, _ = _modules()
-    scan = ScanStandIn()
-    body = private_body(tp_rank, TP_SIZE, scan)
-    seen: list[Any] = []
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        config = body(*args, **kwargs)
-        seen.append(dataclasses.replace(config))
-        return config
-
-    if ours:
-        config = patch.config_wrapper(call, common.MoRIIOConfig, (vllm_config(),), {})
-    else:
-        config = call(vllm_config())
-    return seen[0], config, scan.calls
+    Read from the process's own descriptors (``/proc/self/fd``; ``/dev/fd`` elsewhere), each
+    duplicated, asked for its address and closed again: who holds a port on the host at
+    large is not the question (another rank may already have taken a released port, which is
+    the bug), only whether this process still holds what it handed to MORI.
+    """
+    base = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    held: set[int] = set()
+    for name in os.listdir(base):
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except (OSError, ValueError):
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                held.add(int(sock.getsockname()[1]))
+        except OSError:
+            pass
+        finally:
+            sock.close()  # the duplicate only
+    return held
 
 
 def probe() -> ProbeReport:
-    config_fixed, worker_fixed = installed()
-    built = [build(rank, config_fixed) for rank in range(TP_SIZE)]
-    ports = [cfg.local_kv_port for _, cfg, _ in built]
-    python_chosen = [p for p in ports if p != 0]
-    changed = sorted(
-        {
-            f.name
-            for raw, cfg, _ in built
-            for f in dataclasses.fields(raw)
-            if f.name != "local_kv_port" and getattr(raw, f.name) != getattr(cfg, f.name)
-        }
-    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common
+
+    mori = installed_mori()
+    with tp_group():
+        configs = [moriio_common.MoRIIOConfig.from_vllm_config(vllm_config()) for _ in range(2)]
+    ports = [int(c.local_kv_port) for c in configs]
+    here = ports_held_here()
+    released = [p for p in ports if p != 0 and p not in here]
+    shared = ports[0] == ports[1] != 0
+    zero_unreported = 0 in ports and mori.present and not mori.auto_bind
+    del configs  # a hold tied to a probe config ends with it (no cycles: refcounting frees it)
+    detail = f"local_kv_port {ports}: held, or chosen by the native listener"
+    if released:
+        detail = f"local_kv_port {ports}: {released} not held by this process until MORI binds"
+        if shared:
+            detail += " (both ranks got the same port: all but one native bind fail)"
     return ProbeReport(
         (
+            Check("kv-port-released-before-native-bind", bool(released), detail),
+            # Guard: port 0 is only right where MORI reports the port it auto-bound.
             Check(
-                "kv-port-chosen-before-native-bind",
-                bool(python_chosen),
-                f"TP ranks 0..{TP_SIZE - 1} get local_kv_port {ports} from a released probe "
-                f"(get_open_port called {built[0][2]}x per config); MORI binds it later"
-                if python_chosen
-                else f"local_kv_port {ports}: the native listener chooses",
-            ),
-            # Guards: the fix changes nothing else, and never runs half-installed.
-            Check(
-                "other-config-fields-kept",
-                bool(changed),
-                f"fields changed: {changed}" if changed else "",
-                guard=True,
-            ),
-            Check(
-                "worker-reads-native-port",
-                config_fixed and not worker_fixed,
-                "local_kv_port=0 but MoRIIOConnectorWorker.__init__ does not read the bound port back"
-                if config_fixed and not worker_fixed
+                "kv-port-0-reported-by-mori",
+                zero_unreported,
+                f"local_kv_port 0 with {mori.describe()}: every worker would publish port 0"
+                if zero_unreported
                 else "",
                 guard=True,
             ),

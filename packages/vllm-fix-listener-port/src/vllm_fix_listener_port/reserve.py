@@ -1,6 +1,8 @@
 """Fallback for a port Python must choose before a native bind that cannot be retried.
 
-The primary fix needs none of this (MORI binds port 0). Where a number must be
+Used where the installed MORI cannot report a port-0 listener's port (mori_support):
+the RDMA config then carries a port held by this process from the moment it is
+chosen until MORI's listener is up. Where a number must be
 known before a native listener binds it (a native ``bind`` that ``exit()``s on
 ``EADDRINUSE``, a base port a peer derives), hold a *kernel* reservation from the
 moment the number is chosen until the native listener is in LISTEN:
@@ -26,7 +28,10 @@ Usage::
 from __future__ import annotations
 
 import errno
+import os
 import socket
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,17 +78,73 @@ def hold_scanning(host: str, start: int, attempts: int = 1000) -> Reservation:
     """Reserve the first free port from ``start`` upward (VLLM_PORT-style scanning, but held)."""
     if attempts < 1:
         raise ValueError("attempts must be >= 1")
-    last: OSError | None = None
+    # Only the last error's text is kept: keeping the exception would keep its traceback's
+    # frames, and with them the caller's locals (a config whose hold must end with it).
+    last = ""
     for port in range(start, min(start + attempts, 65536)):
         try:
             return hold(host, port)
         except OSError as exc:
             if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
                 raise
-            last = exc
+            last = str(exc)
     raise OSError(
-        errno.EADDRINUSE, f"no free port in {start}..{start + attempts - 1} on {host or '*'}"
-    ) from last
+        errno.EADDRINUSE, f"no free port in {start}..{start + attempts - 1} on {host or '*'} ({last})"
+    )
+
+
+def hold_for_listener(host: str) -> Reservation:
+    """A held port for a native listener on ``host``.
+
+    With ``VLLM_PORT`` set, the first free port from it upward (as vLLM scans, but held);
+    otherwise a kernel-chosen one. Held on the wildcard address of ``host``'s family, so
+    no probe on any address (vLLM's ``get_open_port`` binds the wildcard) can take it.
+    """
+    wildcard = "::" if ":" in host else ""
+    start = os.environ.get("VLLM_PORT")
+    if start is not None and start.strip():
+        try:
+            first = int(start)
+        except ValueError as exc:
+            raise ValueError(f"VLLM_PORT={start!r} is not a port number") from exc
+        return hold_scanning(wildcard, first)
+    return hold(wildcard, 0)
+
+
+_HELD: dict[int, Reservation] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def keep_until_released(owner: object, reservation: Reservation) -> None:
+    """Hold ``reservation`` until :func:`release_for` ``(owner)`` or until ``owner`` is collected."""
+    key = id(owner)
+    with _HELD_LOCK:
+        previous = _HELD.pop(key, None)
+        _HELD[key] = reservation
+    if previous is not None:
+        previous.release()
+    weakref.finalize(owner, _release_key, key, reservation)
+
+
+def _release_key(key: int, reservation: Reservation | None = None) -> None:
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is not None and (reservation is None or held is reservation):
+            del _HELD[key]
+        else:
+            held = None
+    if held is not None:
+        held.release()
+
+
+def release_for(owner: object) -> None:
+    """Release the reservation kept for ``owner`` (no-op when there is none)."""
+    _release_key(id(owner))
+
+
+def held_ports() -> list[int]:
+    with _HELD_LOCK:
+        return sorted(r.port for r in _HELD.values())
 
 
 @contextmanager

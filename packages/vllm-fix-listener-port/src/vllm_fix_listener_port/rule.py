@@ -21,6 +21,7 @@ class ListenerPortError(RuntimeError):
 
 
 def is_rdma(config: Any) -> bool:
+    """RDMA backend (a MoRIIOConfig without a ``backend`` field is RDMA-only)."""
     return str(getattr(config, "backend", RDMA)).lower() == RDMA
 
 
@@ -57,9 +58,9 @@ def adopt_native_port(worker: Any) -> int | None:
         raise ListenerPortError(
             "the MoRIIO RDMA backend reports listen port 0 after start-up, so peers could not "
             "reach this worker. This MORI does not support IOEngineConfig(port=0) auto-bind "
-            "(added in ROCm/mori f23efd79, 'Handle IOEngineConfig(port=0) auto-bind and expose "
-            "listen port'); upgrade MORI, or disable this fix with "
-            "VLLM_FIXES_DISABLE=listener-port"
+            "(ROCm/mori#125, 'Handle IOEngineConfig(port=0) auto-bind and expose listen port', "
+            "in every tag from v0.1.0) although its version said it does; upgrade MORI, or "
+            "disable this fix with VLLM_FIXES_DISABLE=listener-port"
         )
     worker.local_kv_port = port
     config.local_kv_port = port

@@ -26,7 +26,7 @@ FIX = Fix(
     ),
     how=(
         "Replace MoRIIOConnectorWorker._build_shared_kv_mr (only the exactly fingerprinted "
-        "0.32.0/0.33.0 body) with the rule of moriio-read.md §2.3: take every registration "
+        "body, identical in vLLM 0.29.0 to 0.33.0) with this rule: take every registration "
         "region of every transfer layer (iter_layer_registration_regions), require one "
         "storage and device (else a ValueError naming both layers), base = lowest region "
         "aligned down to 4 KiB and never before the storage start, end = highest region end "
@@ -43,4 +43,8 @@ FIX = Fix(
     recognize="vllm_fix_mr_extent.patch:recognize",
     apply="vllm_fix_mr_extent.patch:apply",
     spec="moriio-read.md §2",
+    notes=(
+        "vLLM before 0.29.0 registers no shared KV memory region (no _build_shared_kv_mr): "
+        "not applicable there.",
+    ),
 )

@@ -2,7 +2,8 @@
 
 The original cannot be wrapped: it raises (or builds a registration before the
 allocation) on the inputs this fix exists for, so the body is replaced, and
-only where the normalized AST is exactly the one read in vLLM 0.32.0/0.33.0.
+only where the normalized AST is exactly the one read in vLLM 0.29.0 to 0.33.0
+(identical in all five).
 The replacement keeps the original's contract: ``(contiguous uint8 tensor,
 {layer: data_ptr - registration base})`` for the layers it was given, in their
 order. Remote offsets are computed by vLLM from the peer's own advertised
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, original_of
+from vllm_fix_core import NotApplicable, PatchSet, UnknownShape, ast_fingerprint, original_of
 from vllm_fix_mr_extent.rule import (
     PAGE_SIZE,
     Region,
@@ -26,7 +27,7 @@ from vllm_fix_mr_extent.rule import (
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 
 # Normalized-AST fingerprint (vllm_fix_core.ast_fingerprint) of the known target.
-KNOWN_SHAPES = {"9d889e36e282c898": "vllm-0.32.0/0.33.0"}
+KNOWN_SHAPES = {"9d889e36e282c898": "vllm-0.29.0..0.33.0"}
 
 
 def _module() -> Any:
@@ -72,7 +73,7 @@ def registration_tensor(anchor: Any, plan: SharedMRPlan) -> Any:
 
 
 def build_shared_kv_mr(self: Any, kv_caches: dict[str, Any]) -> tuple[Any, dict[str, int]]:
-    """Replacement body of MoRIIOConnectorWorker._build_shared_kv_mr (rule: moriio-read.md §2.3)."""
+    """Replacement body of MoRIIOConnectorWorker._build_shared_kv_mr (the rule in rule.py)."""
     regions = collect_regions(kv_caches, self.layer_to_spec)
     layer_ptrs = {layer: int(cache.data_ptr()) for layer, cache in kv_caches.items()}
     plan = plan_shared_mr(regions, layer_ptrs, PAGE_SIZE)
@@ -90,7 +91,10 @@ def recognize() -> str:
     cls = mc.MoRIIOConnectorWorker
     method = original_of(cls, "_build_shared_kv_mr") if "_build_shared_kv_mr" in cls.__dict__ else None
     if method is None:
-        raise UnknownShape("MoRIIOConnectorWorker._build_shared_kv_mr is not defined on the class")
+        raise NotApplicable(
+            "MoRIIOConnectorWorker has no _build_shared_kv_mr: this vLLM registers no shared KV "
+            "memory region (added in vLLM 0.29.0)"
+        )
     if not callable(getattr(mc, "iter_layer_registration_regions", None)):
         raise UnknownShape("moriio_connector no longer imports iter_layer_registration_regions")
     fingerprint = ast_fingerprint(method)

@@ -1,10 +1,13 @@
 """Does this vLLM's MoRIIO shared-MR builder fail on KV storage that is not 4 KiB padded and aligned?
 
-Calls the real, installed MoRIIOConnectorWorker._build_shared_kv_mr on a worker
-built with ``__new__`` plus the two attributes it reads (``kv_caches``,
-``layer_to_spec``). The KV storage is host memory placed at a chosen address
-modulo 4096 (``torch.frombuffer`` over a bytearray), so no GPU, mori or model
-is needed. The scenarios here are also the tests' inputs (moriio-read.md §2.3).
+Calls the real, installed MoRIIOConnectorWorker._build_shared_kv_mr (whatever is
+installed on the class: vLLM's body, this fix, or another layer) on a worker built
+with ``__new__`` plus the two attributes the builder reads (``kv_caches``,
+``layer_to_spec``). The layers are vLLM's own attention views (``FullAttentionSpec``,
+block-first and split K/V), which every release with a shared MR (0.29.0+) registers;
+the KV storage is host memory placed at a chosen address modulo 4096
+(``torch.frombuffer`` over a bytearray), so no GPU, mori or model is needed.
+A vLLM without ``_build_shared_kv_mr`` has no shared MR: not applicable.
 """
 
 from __future__ import annotations
@@ -13,12 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_fix_core import Check, ProbeReport
+from vllm_fix_core import Check, NotApplicable, ProbeReport
 from vllm_fix_mr_extent.rule import PAGE_SIZE, registration_problems
 
-KDA_PAGE = 32  # bytes per KDA slot: conv (4, 1) f32 + ssm (2, 2) f32
-KDA_SLOTS = 2
-KDA_BYTES = KDA_PAGE * KDA_SLOTS
+ATTN_PLANE = 16 * 128 * 2  # one K or V plane of one block (16 tokens x 1 head x 128, fp16)
+LAYER_BYTES = 2 * ATTN_PLANE  # one block-first attention layer of one block: 8192 bytes
 
 
 def backing(start_mod: int, nbytes: int) -> Any:
@@ -34,34 +36,36 @@ def backing(start_mod: int, nbytes: int) -> Any:
     return torch.frombuffer(buffer, dtype=torch.uint8, offset=offset, count=nbytes)
 
 
-def kda_spec() -> Any:
-    import torch
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    return MambaSpec(block_size=16, shapes=((4, 1), (2, 2)), dtypes=(torch.float32, torch.float32))
-
-
 def attention_spec() -> Any:
+    """vLLM's own FullAttentionSpec (present, with these fields, in every release with a shared MR)."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     return FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=128, dtype=torch.float16)
 
 
-def kda_cache(storage: Any, offset: int, slots: int = KDA_SLOTS) -> Any:
-    """A packed KDA layer ``[slots, 1, 1, 32]`` (uint8) at ``offset`` bytes into ``storage``."""
-    return storage[offset : offset + slots * KDA_PAGE].view(slots, 1, 1, KDA_PAGE)
-
-
-def split_kv_cache(storage: Any, offset: int, num_blocks: int = 1) -> Any:
-    """A legacy split K/V attention layer ``[2, blocks, 16, 1, 128]`` (fp16): K plane, then V plane."""
+def block_first_cache(storage: Any, offset: int) -> Any:
+    """One block-first attention layer ``[1, 2, 16, 1, 128]`` (fp16, one registration region)."""
     import torch
 
-    plane = num_blocks * 16 * 128 * 2
-    return storage[offset : offset + 2 * plane].view(torch.float16).view(2, num_blocks, 16, 1, 128)
+    return storage[offset : offset + LAYER_BYTES].view(torch.float16).view(1, 2, 16, 1, 128)
+
+
+def split_kv_cache(storage: Any, offset: int) -> Any:
+    """One split K/V attention layer ``[2, 1, 16, 1, 128]`` (fp16): K plane, then V plane."""
+    import torch
+
+    return storage[offset : offset + LAYER_BYTES].view(torch.float16).view(2, 1, 16, 1, 128)
+
+
+def has_shared_mr() -> bool:
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
+
+    return any("_build_shared_kv_mr" in klass.__dict__ for klass in mc.MoRIIOConnectorWorker.__mro__)
 
 
 def worker(kv_caches: dict[str, Any], layer_to_spec: dict[str, Any]) -> Any:
+    """A MoRIIOConnectorWorker (``__new__``) with the two attributes the builder reads."""
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
 
     w = mc.MoRIIOConnectorWorker.__new__(mc.MoRIIOConnectorWorker)
@@ -83,69 +87,60 @@ class Scenario:
         return worker(self.kv_caches, self.layer_to_spec)
 
 
-def kda_tail_unaligned() -> Scenario:
-    storage = backing(128, 8192)
-    caches = {"kda": kda_cache(storage, 8192 - KDA_BYTES)}
-    return Scenario(
-        "kda-tail-unaligned",
-        "storage at 128 mod 4096, one KDA layer ending at the storage end",
-        storage,
-        caches,
-        {"kda": kda_spec()},
-    )
+def _attention(name: str, description: str, storage: Any, caches: dict[str, Any]) -> Scenario:
+    return Scenario(name, description, storage, caches, {layer: attention_spec() for layer in caches})
 
 
 def page_boundary_unaligned() -> Scenario:
-    storage = backing(128, 8192)
-    caches = {"kda": kda_cache(storage, PAGE_SIZE - 128)}
-    return Scenario(
+    storage = backing(128, PAGE_SIZE + LAYER_BYTES)
+    caches = {"attn": block_first_cache(storage, PAGE_SIZE - 128)}
+    return _attention(
         "page-boundary-unaligned",
         "storage at 128 mod 4096, the only layer starting on a page boundary",
         storage,
         caches,
-        {"kda": kda_spec()},
     )
 
 
 def unpadded_tail() -> Scenario:
-    storage = backing(0, 8256)
-    caches = {"kda0": kda_cache(storage, 0), "kda1": kda_cache(storage, 8256 - KDA_BYTES)}
-    return Scenario(
+    nbytes = 2 * LAYER_BYTES + 64
+    storage = backing(0, nbytes)
+    caches = {
+        "attn0": block_first_cache(storage, 0),
+        "attn1": block_first_cache(storage, nbytes - LAYER_BYTES),
+    }
+    return _attention(
         "unpadded-tail",
-        "aligned storage of 8256 bytes, the last layer ending at the storage end",
+        f"aligned storage of {nbytes} bytes, the last layer ending at the storage end",
         storage,
         caches,
-        {name: kda_spec() for name in caches},
     )
 
 
 def split_kv_later_region() -> Scenario:
-    storage = backing(0, 8192)
+    storage = backing(0, LAYER_BYTES)
     caches = {"attn": split_kv_cache(storage, 0)}
-    return Scenario(
+    return _attention(
         "split-kv-later-region",
         "aligned storage, one split K/V layer whose V region ends 4 KiB past its K region",
         storage,
         caches,
-        {"attn": attention_spec()},
     )
 
 
 def aligned_control() -> Scenario:
-    storage = backing(0, 8192)
-    caches = {"kda0": kda_cache(storage, 0), "kda1": kda_cache(storage, PAGE_SIZE)}
-    return Scenario(
+    storage = backing(0, 2 * LAYER_BYTES)
+    caches = {"attn0": block_first_cache(storage, 0), "attn1": block_first_cache(storage, LAYER_BYTES)}
+    return _attention(
         "aligned-control",
-        "aligned, page-padded storage of 8192 bytes (works before and after the fix)",
+        f"aligned, page-padded storage of {2 * LAYER_BYTES} bytes (works before and after the fix)",
         storage,
         caches,
-        {name: kda_spec() for name in caches},
     )
 
 
-# The four failing inputs of moriio-read.md §2.3/§2.4, then the control.
+# The failing inputs the probe uses, then the control (tests add KDA inputs on releases with KDA).
 FAILING: tuple[Callable[[], Scenario], ...] = (
-    kda_tail_unaligned,
     page_boundary_unaligned,
     unpadded_tail,
     split_kv_later_region,
@@ -178,6 +173,11 @@ def _check(name: str, build: Callable[[], Scenario], guard: bool = False) -> Che
 
 
 def probe() -> ProbeReport:
+    if not has_shared_mr():
+        raise NotApplicable(
+            "MoRIIOConnectorWorker has no _build_shared_kv_mr: this vLLM registers no shared KV "
+            "memory region (added in vLLM 0.29.0)"
+        )
     return ProbeReport(
         (
             _check("unaligned-storage-base", page_boundary_unaligned),

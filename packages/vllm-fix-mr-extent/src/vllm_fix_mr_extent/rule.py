@@ -1,4 +1,4 @@
-"""The shared-MR registration rule (moriio-read.md §2.3), free of vLLM and torch.
+"""The shared-MR registration rule, free of vLLM and torch.
 
 Input: every registration region (pointer, length) of every transfer-enabled
 layer, each tagged with the storage it lives on. Output: the one byte range to

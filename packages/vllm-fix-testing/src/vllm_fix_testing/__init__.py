@@ -22,6 +22,7 @@ Test support only: not a fix, no entry points. vLLM is imported lazily (only whe
 real vLLM method is needed), so importing this package is cheap.
 """
 
+from vllm_fix_testing import kv_storage, mori_io
 from vllm_fix_testing.__about__ import __version__
 from vllm_fix_testing.engine import (
     FakeEngine,
@@ -64,6 +65,8 @@ __all__ = [
     "done",
     "failed",
     "hostile_decision",
+    "kv_storage",
+    "mori_io",
     "pending",
     "real_request",
     "real_scheduler",
