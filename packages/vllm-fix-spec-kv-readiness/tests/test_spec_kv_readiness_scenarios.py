@@ -1,4 +1,4 @@
-"""connector-runner.md, concern 3, on real vLLM: the real MRV2 sample_tokens with the real
+"""Speculative KV output readiness on real vLLM: the real MRV2 sample_tokens with the real
 ActiveKVConnector, negative controls (c3a, c3b), the fix, and what must not change."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""connector-runner.md, Concern 2, on real vLLM: the real GPUModelRunner.execute_model FULL
+"""MRV2 FULL synchronous-load context on real vLLM: the real GPUModelRunner.execute_model FULL
 branch (stand-in ``self`` only for what needs a GPU, the replay recorded), the real
 ActiveKVConnector, and real connectors behind it."""
 

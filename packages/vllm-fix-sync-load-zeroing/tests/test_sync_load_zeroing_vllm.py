@@ -1,4 +1,4 @@
-"""moriio-read.md §4 on real vLLM: the decision table, the negative control on 0.31.0, the fix,
+"""Sync-load zeroing on real vLLM: the decision table, the negative control on 0.31.0, the fix,
 "fixed upstream" on 0.32.0 / 0.33.0, the #59164 API shape, and fail-safe bad input."""
 
 from __future__ import annotations

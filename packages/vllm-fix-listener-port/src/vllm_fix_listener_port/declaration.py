@@ -51,7 +51,6 @@ FIX = Fix(
     # moriio_connector imports moriio_common itself, and the worker can only call
     # from_vllm_config after moriio_connector is imported.
     trigger=CONNECTOR,
-    spec="listener-port-and-k3-eof.md §1",
     notes=(
         "Affected and fixed on every vLLM release from 0.24.0 to 0.33.0.",
         "local_ping_port is still filled by vLLM's get_open_port() probe: nothing binds, "

@@ -42,7 +42,6 @@ FIX = Fix(
     probe="vllm_fix_mr_extent.probe:probe",
     recognize="vllm_fix_mr_extent.patch:recognize",
     apply="vllm_fix_mr_extent.patch:apply",
-    spec="moriio-read.md §2",
     notes=(
         "vLLM before 0.29.0 registers no shared KV memory region (no _build_shared_kv_mr): "
         "not applicable there.",

@@ -47,7 +47,6 @@ FIX = Fix(
     probe="vllm_fix_spec_kv_readiness.probe:probe",
     recognize="vllm_fix_spec_kv_readiness.patch:recognize",
     apply="vllm_fix_spec_kv_readiness.patch:apply",
-    spec="connector-runner.md, concern 3",
     notes=(
         "Covers the MRV2 runner (vllm/v1/worker/gpu). The V1 runner's early snapshot "
         "(KVConnectorModelRunnerMixin with defer_finalize) is not patched by this package.",

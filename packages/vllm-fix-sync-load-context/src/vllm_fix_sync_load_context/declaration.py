@@ -44,7 +44,6 @@ FIX = Fix(
     probe="vllm_fix_sync_load_context.probe:probe",
     recognize="vllm_fix_sync_load_context.patch:recognize",
     apply="vllm_fix_sync_load_context.patch:apply",
-    spec="connector-runner.md, Concern 2",
     notes=(
         "slot_mapping and ubatch_slices of the step are not reachable from pre_forward and are "
         "left empty; no in-tree connector reads them in start_load_kv.",

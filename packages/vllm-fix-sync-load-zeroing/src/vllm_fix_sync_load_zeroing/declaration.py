@@ -48,7 +48,6 @@ FIX = Fix(
     probe="vllm_fix_sync_load_zeroing.probe:probe",
     recognize="vllm_fix_sync_load_zeroing.patch:recognize",
     apply="vllm_fix_sync_load_zeroing.patch:apply",
-    spec="moriio-read.md §4",
     notes=(
         "Layout coverage as computed: LBHNC, LBNHC, BLHNC and BLNHC are covered on every release; "
         "LHBNC and BHLNC only where MoRIIO's READ copies head slices (0.33.0). vLLM's resolver gives "

@@ -39,7 +39,7 @@ class Case:
     pending: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
 
-# The decision table (moriio-read.md §4.3) as probe cases; `layout` is varied over them.
+# The decision table as probe cases; `layout` is varied over them.
 CASES = (
     Case("attn-import", pending=(((7, 8), (90,)),)),
     Case("two-reads", pending=(((7,), (90,)), ((8,), (91,)))),
