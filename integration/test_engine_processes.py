@@ -101,5 +101,6 @@ def test_real_engine_applies_fixes_in_its_processes(
         print(
             f"\nengine: start-up {startup[0]:.1f} s with the fixes, {startup[1]:.1f} s without "
             f"(difference {startup[0] - startup[1]:+.1f} s over 3 processes); decode "
-            f"{result['tokens_per_s']:.1f} vs {baseline['tokens_per_s']:.1f} tokens/s (ratio {throughput:.3f})"
+            f"{result['tokens_per_s']:.1f} vs {baseline['tokens_per_s']:.1f} tokens/s "
+            f"(ratio {throughput:.3f})"
         )
