@@ -7,7 +7,7 @@ scheduler, every step) with and without the fix, and prints patched / unpatched
 ratios. Goal: <= 1.02. No assertions on time.
 
 The step mix is a prefill instance with MultiConnector[MoRIIO READ producer, X] and 2
-workers under async scheduling (vllm_fix_completion_ownership.harness: real
+workers under async scheduling (vllm_fix_testing.prefill_instance: real
 MultiConnector, real MoRIIO scheduler/worker code, real KVOutputAggregator and
 scheduler free loop; X and the RDMA ACK queue are fakes): 0-6 new requests per step,
 40 % handed to decode (owners {MoRIIO}), 40 % handed to decode and saved by X (owners
@@ -33,7 +33,7 @@ METHODS = ("get_transfer_results", "update_connector_output")
 
 
 def workload(world: object, steps: int, seed: int) -> None:
-    from vllm_fix_completion_ownership.harness import World
+    from vllm_fix_testing.prefill_instance import World
 
     assert isinstance(world, World)
     rng = random.Random(seed)
@@ -69,7 +69,7 @@ def patched() -> Iterator[None]:
 
 
 def one_run(fixed: bool, steps: int, seed: int) -> tuple[dict[str, int], object]:
-    from vllm_fix_completion_ownership.harness import World
+    from vllm_fix_testing.prefill_instance import World
 
     with patched() if fixed else nullcontext():
         world = World(num_workers=2, async_scheduling=True)

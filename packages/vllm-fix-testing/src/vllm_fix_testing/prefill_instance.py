@@ -1,4 +1,5 @@
-"""A prefill instance in miniature, for this fix's tests and benchmark (never used at runtime).
+"""A prefill instance in miniature: MultiConnector[MoRIIO READ producer, X], for tests and
+benchmarks of MultiConnector completion handling (never used at runtime).
 
 Real vLLM code throughout: ``MultiConnector`` (one scheduler-side instance, one per
 worker), ``MoRIIOConnector`` with the real ``MoRIIOConnectorScheduler``
@@ -137,7 +138,14 @@ class XWorker:
     def clear_connector_metadata(self) -> None:
         return None
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM 0.24-0.29 worker entry point."""
+        return self._done(finished_req_ids) or None, None
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        return _vllm().mc.KVConnectorTransferResults(finished_sending=self._done(finished_req_ids))
+
+    def _done(self, finished_req_ids: set[str]) -> set[str]:
         for rid in finished_req_ids:
             if rid in self.saves:
                 self.saves.discard(rid)
@@ -146,7 +154,7 @@ class XWorker:
         self.finished -= done
         for rid in done:
             self.reported[rid] = self.step
-        return _vllm().mc.KVConnectorTransferResults(finished_sending=done)
+        return done
 
 
 # ------------------------------------------------------------------------------ recording
@@ -262,14 +270,19 @@ class WorkerProc:
         self.x.step = step
         finished = set(finished_req_ids)
         start = time.thread_time_ns()
-        results = self.mc.get_transfer_results(finished)
-        self.world.timings["get_transfer_results"] += time.thread_time_ns() - start
+        if hasattr(self.mc, "get_transfer_results"):  # vLLM 0.30+
+            results = self.mc.get_transfer_results(finished)
+            self.world.timings["get_transfer_results"] += time.thread_time_ns() - start
+            out = v.mc.KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving,
+            )
+        else:  # vLLM 0.24-0.29
+            sending, recving = self.mc.get_finished(finished)
+            self.world.timings["get_transfer_results"] += time.thread_time_ns() - start
+            out = v.mc.KVConnectorOutput(finished_sending=sending, finished_recving=recving)
         self.mc.clear_connector_metadata()
-        out = v.mc.KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            failed_recving=results.failed_recving,
-        )
         return SimpleNamespace(kv_connector_output=out)
 
 
@@ -485,11 +498,11 @@ class World:
     def leaked(self) -> list[str]:
         return [rid for rid in self.finished_at if rid not in self.freed]
 
-    def figures(self) -> Figures:
-        from vllm_fix_completion_ownership.patch import GATE_ATTR, LEDGER_ATTR
-
-        ledger = self.mc.__dict__.get(LEDGER_ATTR)
-        gates = [w.mc.__dict__.get(GATE_ATTR) for w in self.workers]
+    def figures(self, ledger_attr: str = "", gate_attr: str = "") -> Figures:
+        """The run's figures; `ledger_attr` / `gate_attr` name the instance attributes in which
+        a fix keeps its scheduler-side and worker-side bookkeeping (objects with `size()`)."""
+        ledger = self.mc.__dict__.get(ledger_attr) if ledger_attr else None
+        gates = [w.mc.__dict__.get(gate_attr) for w in self.workers] if gate_attr else []
         sets: dict[str, int] = defaultdict(int)
         for owners in self.truth_owners.values():
             sets["{" + ",".join("MoRIIO" if o == M else "X" for o in sorted(owners)) + "}"] += 1
