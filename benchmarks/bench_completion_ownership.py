@@ -248,7 +248,11 @@ def step_level(steps: int, reps: int) -> dict[str, tuple[float, float, float]]:
             ratios.append(got[True] / got[False])
             for fixed in (False, True):
                 times[fixed].append(got[fixed])
-        out[label] = (statistics.median(times[False]), statistics.median(times[True]), statistics.median(ratios))
+        out[label] = (
+            statistics.median(times[False]),
+            statistics.median(times[True]),
+            statistics.median(ratios),
+        )
     return out
 
 

@@ -54,6 +54,13 @@ REPLACED_KNOWN: dict[str, frozenset[str]] = {
     # vLLM 0.24.0-0.29.0: get_finished counts the children's reports itself
     "get_finished": frozenset({"6ac38285a88fad53"}),
 }
+# Called every step (scheduler / each worker): their bodies are replaced where the
+# fingerprint is known (identical in 0.24.0-0.33.0), which saves a wrapper call per step;
+# any other shape that passes the structural check is wrapped instead.
+PER_STEP_KNOWN: dict[str, frozenset[str]] = {
+    "build_connector_meta": frozenset({"470e5419a221ef57"}),
+    "bind_connector_metadata": frozenset({"8be0274e5521afa2"}),
+}
 # Two shapes of the worker side:
 TRANSFER_RESULTS = "transfer-results"  # 0.30.0+: get_finished delegates to get_transfer_results
 GET_FINISHED = "get-finished"  # 0.24.0-0.29.0: get_finished aggregates the children's get_finished
@@ -202,6 +209,52 @@ def _build_meta_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwar
     return metadata
 
 
+def _build_connector_meta(self: Any, scheduler_output: Any) -> Any:
+    """vLLM's body (identical 0.24.0-0.33.0), plus this step's owner-set update."""
+    metadata = _vllm["MultiKVConnectorMetadata"](
+        metadata=tuple(c.build_connector_meta(scheduler_output) for c in self._connectors)
+    )
+    if self._extra_async_saves:
+        metadata.extra_async_saves = self._extra_async_saves
+        self._extra_async_saves = {}
+    ledger = self.__dict__.get(LEDGER_ATTR)
+    metadata.__dict__[META_ATTR] = ledger.take_update() if ledger is not None else EMPTY_UPDATE
+    return metadata
+
+
+def _bind_connector_metadata(self: Any, connector_metadata: Any) -> None:
+    """vLLM's body (identical 0.24.0-0.33.0), with the owner-set update fed to the gate;
+    vLLM's anonymous extra_async_saves count is kept only where no update arrives."""
+    assert isinstance(connector_metadata, _vllm["MultiKVConnectorMetadata"])
+    if not _feed_gate(self, connector_metadata) and connector_metadata.extra_async_saves:
+        self._extra_async_saves.update(connector_metadata.extra_async_saves)
+    for c, cm in zip(self._connectors, connector_metadata.metadata, strict=False):  # as vLLM
+        c.bind_connector_metadata(cm)
+    super(_vllm["MultiConnector"], self).bind_connector_metadata(connector_metadata)
+
+
+def _feed_gate(instance: Any, metadata: Any) -> bool:
+    """Apply the metadata's owner-set update to this worker's gate; False: no usable update."""
+    update = getattr(metadata, "__dict__", _NO_DICT).get(META_ATTR)
+    if update is None:
+        _fallback(
+            instance,
+            "the scheduler process sent MultiKVConnectorMetadata without owner sets "
+            "(vllm-fix-completion-ownership is not applied there)",
+        )
+        return False
+    state = instance.__dict__
+    gate = state.get(GATE_ATTR)
+    if gate is None:
+        gate = state[GATE_ATTR] = WorkerGate()
+    try:
+        gate.apply_update(update)
+    except (WireError, KeyError, TypeError, AttributeError) as exc:
+        _fallback(instance, f"the owner-set update cannot be read ({exc!r})")
+        return False
+    return True
+
+
 def _view(ids: set[str] | None, loaders: dict[str, int], child: int) -> set[str]:
     if not ids:
         return set()
@@ -249,36 +302,36 @@ def _update_connector_output(self: Any, connector_output: Any) -> None:
         ledger.note_workers_done(incoming)
     recv = connector_output.finished_recving
     failed = connector_output.failed_recving if _HAS_FAILED else None
-    if not recv and not failed:
-        _update_send_only(self, ledger, connector_output, multi_meta)
+    if recv or failed:
+        _update_routed(self, ledger, connector_output, multi_meta, recv, failed)
         return
-    _update_routed(self, ledger, connector_output, multi_meta, recv, failed)
-
-
-def _update_send_only(self: Any, ledger: SchedulerLedger, output: Any, multi_meta: Any) -> None:
-    """No recv ids this step (nearly every step): each child sees only its own send ids."""
+    # No recv ids this step (nearly every step): each child sees only its own send ids.
     offers = ledger.offers() if ledger.reported else None
     try:
         for index, child in enumerate(self._connectors):
             if multi_meta is not None:
-                output.kv_connector_worker_meta = multi_meta.metadata[index]
-            output.finished_sending = offers.get(index) if offers else None
-            child.update_connector_output(output)
-            returned = output.finished_sending
+                connector_output.kv_connector_worker_meta = multi_meta.metadata[index]
+            connector_output.finished_sending = offers.get(index) if offers else None
+            child.update_connector_output(connector_output)
+            returned = connector_output.finished_sending
             if returned:
                 _children_completed(ledger, index, child, returned)
-            if output.finished_recving or (_HAS_FAILED and output.failed_recving):
-                # A child added recv ids of its own: keep the ones it may report (its own
-                # loads, or unknown loader); the rest of the children see them as vLLM does.
-                loaders = self._requests_to_connector
-                recv = output.finished_recving
-                if recv:
-                    output.finished_recving = {r for r in recv if loaders.get(r, index) == index} or None
-                if _HAS_FAILED and output.failed_recving:
-                    output.failed_recving = {r for r in output.failed_recving if loaders.get(r, index) == index}
+            if connector_output.finished_recving or (_HAS_FAILED and connector_output.failed_recving):
+                _own_recv_only(self, connector_output, index)
     finally:
-        output.kv_connector_worker_meta = multi_meta
-    _finish_step(ledger, output)
+        connector_output.kv_connector_worker_meta = multi_meta
+    connector_output.finished_sending = ledger.surface() if ledger.ready else None
+
+
+def _own_recv_only(self: Any, output: Any, index: int) -> None:
+    """A child added recv ids of its own: keep the ones it may report (its own loads, or an
+    unknown loader); the children after it see them as vLLM shows them."""
+    loaders = self._requests_to_connector
+    recv = output.finished_recving
+    if recv:
+        output.finished_recving = {r for r in recv if loaders.get(r, index) == index} or None
+    if _HAS_FAILED and output.failed_recving:
+        output.failed_recving = {r for r in output.failed_recving if loaders.get(r, index) == index}
 
 
 def _update_routed(
@@ -318,40 +371,21 @@ def _update_routed(
                 # vLLM frees a finished request through its recv path: it must not come
                 # back through finished_sending (that would be a second free).
                 ledger.release(req_id)
-    _finish_step(ledger, output)
-
-
-def _finish_step(ledger: SchedulerLedger, output: Any) -> None:
     output.finished_sending = ledger.surface() if ledger.ready else None
 
 
 # ---------------------------------------------------------------------------- worker side
 def _bind_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """For a bind_connector_metadata of unknown body (structure checked): vLLM's own, then
+    the gate; vLLM's anonymous counting is not used while owner sets arrive."""
     outcome = wrapped(*args, **kwargs)
     if instance is None:
         return outcome
     metadata = args[0] if args else kwargs["connector_metadata"]
-    update = getattr(metadata, "__dict__", _NO_DICT).get(META_ATTR)
-    state = instance.__dict__
-    if update is None:
-        _fallback(
-            instance,
-            "the scheduler process sent MultiKVConnectorMetadata without owner sets "
-            "(vllm-fix-completion-ownership is not applied there)",
-        )
-        return outcome
-    gate = state.get(GATE_ATTR)
-    if gate is None:
-        gate = state[GATE_ATTR] = WorkerGate()
-    try:
-        gate.apply_update(update)
-    except (WireError, KeyError, TypeError, AttributeError) as exc:
-        _fallback(instance, f"the owner-set update cannot be read ({exc!r})")
-        return outcome
-    # vLLM's anonymous counting is not used while owner sets arrive; keep it empty.
-    saves = instance._extra_async_saves
-    if saves:
-        saves.clear()
+    if _feed_gate(instance, metadata):
+        saves = instance._extra_async_saves
+        if saves:
+            saves.clear()
     return outcome
 
 
@@ -409,6 +443,10 @@ def _get_finished(self: Any, finished_req_ids: set[str]) -> tuple[set[str] | Non
 
 
 # ---------------------------------------------------------------------------- apply
+def _per_step_known(cls: Any, name: str) -> bool:
+    return ast_fingerprint(cls.__dict__[name]) in PER_STEP_KNOWN[name]
+
+
 _HAS_FAILED = True  # KVConnectorOutput.failed_recving exists (vLLM 0.30.0+)
 
 
@@ -420,11 +458,19 @@ def apply(patch: PatchSet, shape: str) -> None:
 
     _HAS_FAILED = "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}
     _vllm["MultiKVConnectorWorkerMetadata"] = mod.MultiKVConnectorWorkerMetadata
+    _vllm["MultiKVConnectorMetadata"] = mod.MultiKVConnectorMetadata
+    _vllm["MultiConnector"] = cls
     patch.wrap(cls, "_aggregate_request_finished", _aggregate_wrapper)
     patch.wrap(cls, "get_num_new_matched_tokens", _match_wrapper)
-    patch.wrap(cls, "build_connector_meta", _build_meta_wrapper)
+    if _per_step_known(cls, "build_connector_meta"):
+        patch.replace(cls, "build_connector_meta", _build_connector_meta)
+    else:
+        patch.wrap(cls, "build_connector_meta", _build_meta_wrapper)
     patch.replace(cls, "update_connector_output", _update_connector_output)
-    patch.wrap(cls, "bind_connector_metadata", _bind_wrapper)
+    if _per_step_known(cls, "bind_connector_metadata"):
+        patch.replace(cls, "bind_connector_metadata", _bind_connector_metadata)
+    else:
+        patch.wrap(cls, "bind_connector_metadata", _bind_wrapper)
     if "register_finished_partial_tail" in cls.__dict__:
         patch.replace(cls, "register_finished_partial_tail", _register_finished_partial_tail)
     if shape == TRANSFER_RESULTS:

@@ -92,7 +92,8 @@ def child_class() -> type:
 
 def probe_child(holds: set[str], rewrites: bool = False) -> Any:
     """A child holding the blocks of `holds` (request_finished says True for them)."""
-    child = child_class().__new__(child_class())
+    cls: Any = child_class()
+    child = cls.__new__(cls)
     child._connector_metadata = None
     child.holds = holds
     child.rewrites = rewrites
