@@ -90,7 +90,11 @@ def one_run(fixed: bool, steps: int, seed: int) -> tuple[dict[str, int], Any]:
     with patched() if fixed else nullcontext():
         world = World(num_workers=2, async_scheduling=True)
         gc.collect()  # keep a collection of the previous run out of this one's timings
-        workload(world, steps, seed)
+        gc.disable()  # as timeit does: a collection lands in whichever call allocates
+        try:
+            workload(world, steps, seed)
+        finally:
+            gc.enable()
         return dict(world.timings), world.figures()
 
 
@@ -201,33 +205,44 @@ def step_run(fixed: bool, steps: int, warm: int, connector_time: bool) -> tuple[
         for i in range(RUNNING):
             _add(sched, k, 2 + i)  # staggered: one request reaches max_tokens per step
             k += 1
-        due: dict[int, set[str]] = {}
-        total = 0
         gc.collect()
-        for n in range(warm + steps):
-            if n == warm:
-                sink[0] = 0
-            t0 = time.thread_time_ns()
-            output = sched.schedule()
-            t1 = time.thread_time_ns()
-            ids = list(output.num_scheduled_tokens)
-            for rid in output.finished_req_ids:
-                due.setdefault(n + 3, set()).add(rid)
-            runner_output = ModelRunnerOutput(
-                req_ids=ids,
-                req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=[[7] for _ in ids],
-                kv_connector_output=KVConnectorOutput(finished_sending=due.pop(n, None)),
-            )
-            t2 = time.thread_time_ns()
-            sched.update_from_output(output, runner_output)
-            t3 = time.thread_time_ns()
-            if n >= warm:
-                total += (t1 - t0) + (t3 - t2)
-            _add(sched, k, RUNNING)
-            k += 1
+        gc.disable()  # as timeit does: a collection lands in whichever call allocates
+        try:
+            total = _steps(sched, sink, k, steps, warm, KVConnectorOutput, ModelRunnerOutput)
+        finally:
+            gc.enable()
         per_step = (sink[0] if connector_time else total) / steps / 1000
         return per_step, len(sched.requests)
+
+
+def _steps(
+    sched: Any, sink: list[int], k: int, steps: int, warm: int, kv_output: Any, runner_output_cls: Any
+) -> int:
+    due: dict[int, set[str]] = {}
+    total = 0
+    for n in range(warm + steps):
+        if n == warm:
+            sink[0] = 0
+        t0 = time.thread_time_ns()
+        output = sched.schedule()
+        t1 = time.thread_time_ns()
+        ids = list(output.num_scheduled_tokens)
+        for rid in output.finished_req_ids:
+            due.setdefault(n + 3, set()).add(rid)
+        runner_output = runner_output_cls(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids],
+            kv_connector_output=kv_output(finished_sending=due.pop(n, None)),
+        )
+        t2 = time.thread_time_ns()
+        sched.update_from_output(output, runner_output)
+        t3 = time.thread_time_ns()
+        if n >= warm:
+            total += (t1 - t0) + (t3 - t2)
+        _add(sched, k, RUNNING)
+        k += 1
+    return total
 
 
 def step_level(steps: int, reps: int) -> dict[str, tuple[float, float, float]]:

@@ -444,7 +444,8 @@ def _get_finished(self: Any, finished_req_ids: set[str]) -> tuple[set[str] | Non
 
 # ---------------------------------------------------------------------------- apply
 def _per_step_known(cls: Any, name: str) -> bool:
-    return ast_fingerprint(cls.__dict__[name]) in PER_STEP_KNOWN[name]
+    # vLLM's own object, not what is installed now (applying twice must decide the same way).
+    return ast_fingerprint(original_of(cls, name)) in PER_STEP_KNOWN[name]
 
 
 _HAS_FAILED = True  # KVConnectorOutput.failed_recving exists (vLLM 0.30.0+)
