@@ -61,7 +61,7 @@ FIX = Fix(
     probe="vllm_fix_completion_ownership.probe:probe",
     recognize="vllm_fix_completion_ownership.patch:recognize",
     apply="vllm_fix_completion_ownership.patch:apply",
-    spec="connector-runner.md, concern 1",
+    spec='packages/vllm-fix-completion-ownership/README.md, "The rule"',
     notes=(
         "Load the plugin in every vLLM process (vLLM does: general plugins load in engine "
         "core and workers). A patched worker that receives metadata without owner sets logs "
