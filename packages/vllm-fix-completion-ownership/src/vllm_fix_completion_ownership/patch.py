@@ -60,6 +60,10 @@ REPLACED_KNOWN: dict[str, frozenset[str]] = {
 PER_STEP_KNOWN: dict[str, frozenset[str]] = {
     "build_connector_meta": frozenset({"470e5419a221ef57"}),
     "bind_connector_metadata": frozenset({"8be0274e5521afa2"}),
+    # per finished / newly scheduled request; 0.25.1-0.33.0 (0.24.0's
+    # _aggregate_request_finished refuses a second kv_transfer_params: wrapped there)
+    "_aggregate_request_finished": frozenset({"b2cef0b6d02a5514"}),
+    "get_num_new_matched_tokens": frozenset({"c843512372e3d720"}),
 }
 # Two shapes of the worker side:
 TRANSFER_RESULTS = "transfer-results"  # 0.30.0+: get_finished delegates to get_transfer_results
@@ -170,6 +174,49 @@ def _aggregate_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwarg
         ledger = ledger_of(instance)
     ledger.record_finished(request.request_id, holders)
     return outcome
+
+
+def _aggregate_request_finished(self: Any, request: Any, per_connector_fn: Any) -> Any:
+    """vLLM's body (0.25.1-0.33.0), plus the owner set: the children that said True."""
+    async_saves = 0
+    kv_txfer_params = None
+    holders: list[int] = []
+    for index, c in enumerate(self._connectors):
+        async_save, txfer_params = per_connector_fn(c)
+        if async_save:
+            async_saves += 1
+            holders.append(index)
+        if txfer_params is not None:
+            if kv_txfer_params is not None:
+                clashes = set(kv_txfer_params) & set(txfer_params)
+                if clashes:
+                    raise RuntimeError(f"Key clash in kv_transfer_params from multiple connectors: {clashes}")
+                kv_txfer_params.update(txfer_params)
+            else:
+                kv_txfer_params = txfer_params
+    if async_saves > 1:
+        self._extra_async_saves[request.request_id] = async_saves - 1
+    self._requests_to_connector.pop(request.request_id, None)
+    ledger = self.__dict__.get(LEDGER_ATTR)
+    if ledger is None:
+        ledger = ledger_of(self)
+    ledger.record_finished(request.request_id, holders)
+    return async_saves > 0, kv_txfer_params
+
+
+def _get_num_new_matched_tokens(self: Any, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    """vLLM's body (identical 0.24.0-0.33.0), plus the loader child for the workers."""
+    to_return: tuple[int | None, bool] = (0, False)
+    for i, c in enumerate(self._connectors):
+        toks, load_async = c.get_num_new_matched_tokens(request, num_computed_tokens)
+        if toks is None:
+            return (None, False)
+        if to_return[0] == 0 and toks > 0:
+            if self._requests_to_connector.get(request.request_id) != i:
+                ledger_of(self).record_loader(request.request_id, i)
+            self._requests_to_connector[request.request_id] = i
+            to_return = (toks, load_async)
+    return to_return
 
 
 def _register_finished_partial_tail(
@@ -461,8 +508,14 @@ def apply(patch: PatchSet, shape: str) -> None:
     _vllm["MultiKVConnectorWorkerMetadata"] = mod.MultiKVConnectorWorkerMetadata
     _vllm["MultiKVConnectorMetadata"] = mod.MultiKVConnectorMetadata
     _vllm["MultiConnector"] = cls
-    patch.wrap(cls, "_aggregate_request_finished", _aggregate_wrapper)
-    patch.wrap(cls, "get_num_new_matched_tokens", _match_wrapper)
+    if _per_step_known(cls, "_aggregate_request_finished"):
+        patch.replace(cls, "_aggregate_request_finished", _aggregate_request_finished)
+    else:
+        patch.wrap(cls, "_aggregate_request_finished", _aggregate_wrapper)
+    if _per_step_known(cls, "get_num_new_matched_tokens"):
+        patch.replace(cls, "get_num_new_matched_tokens", _get_num_new_matched_tokens)
+    else:
+        patch.wrap(cls, "get_num_new_matched_tokens", _match_wrapper)
     if _per_step_known(cls, "build_connector_meta"):
         patch.replace(cls, "build_connector_meta", _build_connector_meta)
     else:
