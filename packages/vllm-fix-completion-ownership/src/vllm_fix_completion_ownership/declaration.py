@@ -32,10 +32,12 @@ FIX = Fix(
         "accepted only from the loader child. On the scheduler each child's "
         "update_connector_output sees a private view holding only its own ids; a child's "
         "watchdog completes that child only; a request reaches finished_sending exactly once, "
-        "when every owner completed on every worker. Wrappers on _aggregate_request_finished, "
-        "get_num_new_matched_tokens, build_connector_meta and bind_connector_metadata; bodies "
-        "of update_connector_output, register_finished_partial_tail and get_transfer_results "
-        "(0.30.0+) or get_finished (0.24.0-0.29.0) replaced only for fingerprinted shapes."
+        "when every owner completed on every worker. Bodies of update_connector_output, "
+        "register_finished_partial_tail and get_transfer_results (0.30.0+) or get_finished "
+        "(0.24.0-0.29.0) are replaced only for fingerprinted shapes (refused otherwise); "
+        "_aggregate_request_finished, get_num_new_matched_tokens, build_connector_meta and "
+        "bind_connector_metadata are re-implemented for their known fingerprints and wrapped "
+        "when their body is unknown but structurally right."
     ),
     retire_when=(
         "vLLM's MultiConnector tracks completion owners per child itself (vllm-project/vllm"
