@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_fix_completion_ownership.harness import soak
+from vllm_fix_testing.prefill_instance import soak
 from vllm_fix_core import Rung, runtime
 from vllm_fix_core.registry import Installed
 from vllm_fix_testing import STRICT

