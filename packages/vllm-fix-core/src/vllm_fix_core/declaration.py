@@ -175,7 +175,6 @@ class Fix:
     # Module whose import triggers the decision in a process (defaults to the
     # first target's module). It must import every other target module itself.
     trigger: str = ""
-    spec: str = ""
     notes: tuple[str, ...] = field(default=())
 
     @property
