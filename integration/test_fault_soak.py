@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_fix_testing.prefill_instance import soak
 from vllm_fix_core import Rung, runtime
 from vllm_fix_core.registry import Installed
 from vllm_fix_testing import STRICT
+from vllm_fix_testing.prefill_instance import soak
 
 
 def run_soak_with_all_fixes(fixes: list[Installed], requests: int, seed: int, workers: int) -> None:
