@@ -58,7 +58,9 @@ def test_prebound_handshake_port_hangs_unpatched_and_raises_patched(
             assert part in str(s.error)
         assert s.error.role == "handshake" and s.error.port == port
         assert worker.moriio_wrapper.notify_thread is None  # nothing more started
-        print(f"pre-bound handshake port: error after {s.seconds * 1000:.0f} ms (unpatched: waiting after 3 s)")
+        print(
+            f"pre-bound handshake port: error after {s.seconds * 1000:.0f} ms (unpatched: waiting after 3 s)"
+        )
 
 
 def test_prebound_notify_port_is_silent_unpatched_and_raises_patched(
@@ -85,7 +87,9 @@ def test_prebound_notify_port_is_silent_unpatched_and_raises_patched(
 
 
 def test_healthy_startup_is_unchanged(
-    make_worker: Callable[..., Any], startup: Callable[[Any], Any], free_bases: Callable[[int], tuple[int, int]]
+    make_worker: Callable[..., Any],
+    startup: Callable[[Any], Any],
+    free_bases: Callable[[int], tuple[int, int]],
 ) -> None:
     hb, nb = free_bases(4)
     with applied(FIX):

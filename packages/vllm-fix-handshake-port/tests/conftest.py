@@ -55,7 +55,9 @@ def make_worker(mods: SimpleNamespace, ranks: Callable[[int, int], None]) -> Ite
         producer: bool = True,
     ) -> Any:
         ranks(tp, tp_size)
-        config = worker_vllm_config(dp, dp_local, tp_size, handshake=handshake, notify=notify, producer=producer)
+        config = worker_vllm_config(
+            dp, dp_local, tp_size, handshake=handshake, notify=notify, producer=producer
+        )
         worker = mods.connector.MoRIIOConnectorWorker(config, f"engine-dp{dp}", kv_cache_config())
         made.append(worker)
         return worker

@@ -205,10 +205,12 @@ def test_unknown_callers_are_placed_by_structure() -> None:
         classify(("moriio_connector", "MoRIIOConnectorWorker._new_dial"), dials_without_size)
 
 
-def test_refuses_an_unknown_caller_without_tp_size(mods: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refuses_an_unknown_caller_without_tp_size(
+    mods: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
     source = "def _dial_peer(self, dp, tp):\n    return get_port_offset(dp, tp)\n"
     scope: dict[str, Any] = {}
-    exec(compile(source, mods.connector.__file__, "exec"), mods.connector.__dict__, scope)  # noqa: S102
+    exec(compile(source, mods.connector.__file__, "exec"), mods.connector.__dict__, scope)
     func = scope["_dial_peer"]
     func.__module__ = mods.connector.__name__
     monkeypatch.setattr(mods.connector.MoRIIOConnectorWorker, "_dial_peer", func, raising=False)
@@ -226,7 +228,7 @@ def test_a_new_scheduler_sender_is_wrapped(mods: SimpleNamespace, monkeypatch: p
         "    return [get_port_offset(params['remote_dp_rank'], t) for t in range(self.tp_size)]\n"
     )
     scope: dict[str, Any] = {}
-    exec(compile(source, mods.connector.__file__, "exec"), mods.connector.__dict__, scope)  # noqa: S102
+    exec(compile(source, mods.connector.__file__, "exec"), mods.connector.__dict__, scope)
     func = scope["_fork_release"]
     func.__module__ = mods.connector.__name__
     monkeypatch.setattr(mods.connector.MoRIIOConnectorScheduler, "_fork_release", func, raising=False)

@@ -91,7 +91,11 @@ def test_heterogeneous_tp_write_notify_reaches_every_target_listener(
             for rank in range(prefill_tp):
                 mapping = _mapping(rank, prefill_tp, decode_tp)
                 task = _task(
-                    mods, remote_tp_size=decode_tp, tp_mapping=mapping, remote_dp_size_local=2, remote_dp_size=2
+                    mods,
+                    remote_tp_size=decode_tp,
+                    tp_mapping=mapping,
+                    remote_dp_size_local=2,
+                    remote_dp_size=2,
                 )
                 writer = mods.engine.MoRIIOWriter(WriterWorkerStandIn(rank, world_size=prefill_tp))
                 got = sorted(port for _, port in writer._resolve_notify_endpoints(task, dp))
@@ -110,7 +114,9 @@ def test_unknown_decode_tp_follows_vllms_own_homogeneous_mapping(
         for dp in range(2):
             for rank in range(prefill_tp):
                 mapping = _mapping(rank, prefill_tp, prefill_tp)  # remote size unknown -> ours
-                task = _task(mods, remote_tp_size=0, tp_mapping=mapping, remote_dp_size_local=2, remote_dp_size=2)
+                task = _task(
+                    mods, remote_tp_size=0, tp_mapping=mapping, remote_dp_size_local=2, remote_dp_size=2
+                )
                 assert _fanout_ports(mods, rank, dp, task) == [decode[(dp, rank)]]
 
 

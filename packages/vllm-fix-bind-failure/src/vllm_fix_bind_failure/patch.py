@@ -76,7 +76,13 @@ def _raise_if_failed(worker: Any) -> None:
     port = getattr(worker, "side_channel_port", None)
     raise ListenerBindError(
         bind_error_message(
-            "handshake", port or 0, dp, tp, "handshake_port", getattr(config, "handshake_port", None), outcome.error
+            "handshake",
+            port or 0,
+            dp,
+            tp,
+            "handshake_port",
+            getattr(config, "handshake_port", None),
+            outcome.error,
         ),
         role="handshake",
         port=port,
@@ -128,7 +134,9 @@ def _async_wait_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwar
         dp, tp = _rank(instance, "dp_rank"), _rank(instance, "tp_rank")
         port = getattr(instance, "notify_port", None)
         raise ListenerBindError(
-            bind_error_message("notify", port or 0, dp, tp, "notify_port", _notify_base(worker), outcome.error),
+            bind_error_message(
+                "notify", port or 0, dp, tp, "notify_port", _notify_base(worker), outcome.error
+            ),
             role="notify",
             port=port,
             dp_rank=dp,
@@ -179,8 +187,14 @@ def recognize() -> str:
     connector, engine = _modules()
     worker = connector.MoRIIOConnectorWorker
     listener = original_of(worker, "_moriio_handshake_listener")
-    if not isinstance(listener, staticmethod) or _params(listener)[:3] != ["metadata", "ready_event", "base_port"]:
-        raise UnknownShape("MoRIIOConnectorWorker._moriio_handshake_listener is not (metadata, ready_event, base_port, ...)")
+    if not isinstance(listener, staticmethod) or _params(listener)[:3] != [
+        "metadata",
+        "ready_event",
+        "base_port",
+    ]:
+        raise UnknownShape(
+            "MoRIIOConnectorWorker._moriio_handshake_listener is not (metadata, ready_event, base_port, ...)"
+        )
     if _params(original_of(engine.MoRIIOWrapper, "async_wait_reqid")) != ["self"]:
         raise UnknownShape("MoRIIOWrapper.async_wait_reqid takes arguments")
     if _params(original_of(engine, "zmq_ctx"))[:2] != ["socket_type", "addr"]:

@@ -66,7 +66,7 @@ def _handshake_listener(connector: Any, port: int) -> tuple[bool, str]:
     listener = connector.MoRIIOConnectorWorker._moriio_handshake_listener
     ready = threading.Event()
     names = list(inspect.signature(listener).parameters)
-    extra = {name: 0 if name in ("tp_rank", "dp_rank") else {} for name in names[3:]}
+    extra: dict[str, Any] = {name: 0 if name in ("tp_rank", "dp_rank") else {} for name in names[3:]}
     error: list[BaseException] = []
 
     def run() -> None:

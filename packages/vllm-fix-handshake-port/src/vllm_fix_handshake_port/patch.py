@@ -304,9 +304,9 @@ def callers(*, reuse: bool = False) -> dict[Site, Any]:
     (apply right after recognize, in one decision).
     """
     if reuse and _still_current(_LAST):
-        found = dict(_LAST)
+        last = dict(_LAST)
         _LAST.clear()
-        return found
+        return last
     found: dict[Site, Any] = {}
     for short, module in _modules().items():
         for qualname, func in _functions(module):
@@ -382,7 +382,7 @@ def recognize() -> str:
     for site, func in found.items():
         if classify(site, func) == "sender":
             _check_sender(site, func)
-    if not LISTENER_SITES <= set(found):
+    if not set(found) >= LISTENER_SITES:
         missing = ", ".join(f"{m}:{q}" for m, q in sorted(LISTENER_SITES - set(found)))
         raise UnknownShape(f"the listener sites moved: {missing} no longer calls get_port_offset")
     for name, known in KNOWN_SITES.items():

@@ -215,10 +215,10 @@ def probe() -> ProbeReport:
                 f"a release for DP rank {dp} goes to {sorted(got)}, its ranks listen on {sorted(want)}"
             )
         for tp in range(TP):
-            port = _write_notify_port(common, engine, dp, tp)
-            if port != listen[(dp, tp)]:
+            notify = _write_notify_port(common, engine, dp, tp)
+            if notify != listen[(dp, tp)]:
                 write_misses.append(
-                    f"WRITE completion for {(dp, tp)} goes to {port}, it listens on {listen[(dp, tp)]}"
+                    f"WRITE completion for {(dp, tp)} goes to {notify}, it listens on {listen[(dp, tp)]}"
                 )
     # The handshake dialer (_moriio_handshake) names the listener's TP size.
     dial_misses = [
@@ -242,7 +242,9 @@ def probe() -> ProbeReport:
             ),
             # Guards: the senders must reach the ranks' listeners, whatever the convention.
             Check("release-misses-listener", bool(release_misses), "; ".join(release_misses[:1]), guard=True),
-            Check("write-notify-misses-listener", bool(write_misses), "; ".join(write_misses[:1]), guard=True),
+            Check(
+                "write-notify-misses-listener", bool(write_misses), "; ".join(write_misses[:1]), guard=True
+            ),
             Check(
                 "explicit-tp-size-offset",
                 explicit != 13,
