@@ -24,7 +24,7 @@ from vllm_fix_testing import applied, assert_hostile_wrapper_fails, vllm_version
 
 GRIDS = [(2, 2), (2, 4), (3, 2), (4, 8), (1, 8), (4, 1)]
 # The caller inventory each release line has (see the README, "Supported releases").
-SHAPE = {"0.31.0": "writer-execute", "0.32.0": "writer-execute", "0.33.0": "writer-resolve"}
+SHAPE = {"0.31.0": "vllm-0.31-0.32", "0.32.0": "vllm-0.31-0.32", "0.33.0": "vllm-0.33"}
 
 
 def test_probe_says_affected_then_fixed() -> None:

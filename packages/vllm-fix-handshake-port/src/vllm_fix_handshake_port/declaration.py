@@ -49,6 +49,8 @@ FIX = Fix(
         Target(COMMON, "get_port_offset", ProcessKind.WORKER),
         Target(ENGINE, "get_port_offset", ProcessKind.WORKER),
         Target(COMMON, "MoRIIOConfig.from_vllm_config", ProcessKind.WORKER),
+        # Releases 0.24-0.26 dial the handshake listener without a TP size: wrapped there only.
+        Target(CONNECTOR, "MoRIIOConnectorWorker._moriio_handshake", ProcessKind.WORKER, optional=True),
         Target(CONNECTOR, "MoRIIOConnectorScheduler._release_write_prefill_blocks", ProcessKind.ENGINE_CORE),
         Target(CONNECTOR, "MoRIIOConnectorScheduler.update_state_after_alloc", ProcessKind.ENGINE_CORE),
         # The WRITE completion port is computed in one of these, depending on the release

@@ -64,29 +64,24 @@ _logger = get_logger("handshake-port")
 Site = tuple[str, str]  # (module short name, qualname of the calling function)
 
 # The caller inventories seen in releases (pinned by test_recognized_shape_is_this_release).
-_COMMON_SITES: frozenset[Site] = frozenset(
+_SHARED_SITES: frozenset[Site] = frozenset(
     {
         ("moriio_common", "MoRIIOConfig.from_vllm_config"),
         ("moriio_connector", "MoRIIOConnectorScheduler._release_write_prefill_blocks"),
         ("moriio_connector", "MoRIIOConnectorScheduler.update_state_after_alloc"),
         ("moriio_connector", "MoRIIOConnectorWorker.__init__"),
         ("moriio_connector", "MoRIIOConnectorWorker._moriio_handshake"),
-        ("moriio_connector", "MoRIIOConnectorWorker._read_blocks"),
     }
 )
-# Releases differ only in the writer method that computes the WRITE completion port.
+_READ = ("moriio_connector", "MoRIIOConnectorWorker._read_blocks")
 KNOWN_SITES: dict[str, frozenset[Site]] = {
-    "writer-finalize": _COMMON_SITES | {("moriio_engine", "MoRIIOWriter._finalize_if_complete")},
-    "writer-execute": _COMMON_SITES | {("moriio_engine", "MoRIIOWriter._execute_write_task")},
-    "writer-resolve": _COMMON_SITES | {("moriio_engine", "MoRIIOWriter._resolve_notify_endpoint")},
+    # the handshake dial omits the TP size; no READ release; WRITE port in finalize
+    "vllm-0.24-0.26": _SHARED_SITES | {("moriio_engine", "MoRIIOWriter._finalize_if_complete")},
+    "vllm-0.27-0.30": _SHARED_SITES | {_READ, ("moriio_engine", "MoRIIOWriter._finalize_if_complete")},
+    "vllm-0.31-0.32": _SHARED_SITES | {_READ, ("moriio_engine", "MoRIIOWriter._execute_write_task")},
+    "vllm-0.33": _SHARED_SITES | {_READ, ("moriio_engine", "MoRIIOWriter._resolve_notify_endpoint")},
 }
-# Callers known to name the TP size in every call (they dial with the peer's TP size).
-_EXPLICIT_SITES: frozenset[Site] = frozenset(
-    {
-        ("moriio_connector", "MoRIIOConnectorWorker._moriio_handshake"),
-        ("moriio_connector", "MoRIIOConnectorWorker._read_blocks"),
-    }
-)
+WORKER_CLASS = "MoRIIOConnectorWorker"
 
 
 # --------------------------------------------------------------------------- modules
@@ -201,6 +196,16 @@ def _writer_tp(func: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str
         return size  # vLLM's own mapping: the peer's size, or ours when unknown
     # Unknown: vLLM's writer assumes the decode TP size equals ours (its world_size).
     size = getattr(getattr(instance, "worker", None), "world_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _dialer_tp(func: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """A worker dialing a peer's listener without a TP size: its remote_tp_size argument,
+    or, unknown (0, or no such argument), this worker's world_size (vLLM's homogeneous case)."""
+    size = _bound(func, instance, args, kwargs).get("remote_tp_size")
+    if isinstance(size, int) and size > 0:
+        return size
+    size = getattr(instance, "world_size", None)
     return size if isinstance(size, int) and size > 0 else None
 
 
@@ -338,7 +343,8 @@ def names_tp_size_everywhere(func: Any) -> bool:
 
 
 def classify(site: Site, func: Any) -> str:
-    """'listener', 'sender', 'writer' or 'explicit'; UnknownShape for a caller it cannot place."""
+    """'listener', 'sender', 'writer', 'dialer' or 'explicit'; UnknownShape for a caller it
+    cannot place."""
     _, qualname = site
     owner = qualname.rpartition(".")[0]
     if site in LISTENER_SITES:
@@ -347,12 +353,16 @@ def classify(site: Site, func: Any) -> str:
         return "sender"
     if owner == WRITER_CLASS:
         return "writer"
-    if site in _EXPLICIT_SITES or names_tp_size_everywhere(func):
+    if names_tp_size_everywhere(func):
         return "explicit"
+    if owner == WORKER_CLASS and (
+        "remote_tp_size" in inspect.signature(func).parameters or qualname.endswith("._moriio_handshake")
+    ):
+        return "dialer"  # dials a peer's listener; the peer's TP size is its remote_tp_size
     raise UnknownShape(
         f"{site[0]}:{qualname} calls get_port_offset without a TP size, and it is neither a "
-        "listener site, a scheduler sender nor the WRITE notify sender: the listening engine's "
-        "TP size there is unknown"
+        "listener site, a scheduler sender, the WRITE notify sender nor a worker dial with a "
+        "remote_tp_size: the listening engine's TP size there is unknown"
     )
 
 
@@ -402,15 +412,18 @@ def _owner(module: ModuleType, qualname: str) -> tuple[Any, str]:
     return owner, attr
 
 
+_RESOLVERS: dict[str, Resolver] = {"sender": _sender_tp, "writer": _writer_tp, "dialer": _dialer_tp}
+
+
 def apply(patch: PatchSet, shape: str) -> None:
     mods = _modules()
     for module in mods.values():
         if hasattr(module, "get_port_offset"):
             patch.wrap(module, "get_port_offset", _offset_wrapper_for(module))
     for site, func in sorted(callers(reuse=True).items()):
-        kind = classify(site, func)
-        if kind not in ("sender", "writer"):
+        resolver = _RESOLVERS.get(classify(site, func))
+        if resolver is None:
             continue
         owner, attr = _owner(mods[site[0]], site[1])
-        patch.wrap(owner, attr, _context_wrapper(func, _sender_tp if kind == "sender" else _writer_tp))
+        patch.wrap(owner, attr, _context_wrapper(func, resolver))
     patch.wrap(mods["moriio_common"].MoRIIOConfig, "from_vllm_config", _check_config_layout)

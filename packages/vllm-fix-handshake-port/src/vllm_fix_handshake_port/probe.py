@@ -86,6 +86,7 @@ def _vllm_config(dp_rank: int, notify: int = NOTIFY) -> Any:
         "http_port": "8000",
         "host_ip": HOST,  # resolve_host_ip reads it: no get_ip() socket
         "proxy_ip": "",
+        "proxy_ping_port": "0",  # read unconditionally by releases before 0.28
     }
     return SimpleNamespace(
         kv_transfer_config=KVTransferConfig(
