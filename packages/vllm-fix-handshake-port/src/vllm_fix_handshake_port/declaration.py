@@ -9,7 +9,7 @@ ENGINE = f"{PACKAGE}.moriio_engine"
 
 FIX = Fix(
     id="handshake-port",
-    title="MoRIIO handshake/notify ports: one injective offset per rank, no silent hangs",
+    title="MoRIIO handshake/notify ports: one injective offset per rank",
     distribution="vllm-fix-handshake-port",
     upstream=(
         Upstream(
@@ -63,7 +63,6 @@ FIX = Fix(
     probe="vllm_fix_handshake_port.probe:probe",
     recognize="vllm_fix_handshake_port.patch:recognize",
     apply="vllm_fix_handshake_port.patch:apply",
-    spec="listener-port-and-k3-eof.md §1.2 B-C, §1.4 item 4",
     notes=(
         "Both sides must run it: peers derive each other's per-rank ports from the published "
         "bases, so a patched and an unpatched instance disagree wherever one of them has "
