@@ -325,19 +325,77 @@ def callers(*, reuse: bool = False) -> dict[Site, Any]:
 _ARITY_CACHE: dict[types.CodeType, bool] = {}
 
 
+def _names_tp_size(call: ast.expr) -> bool:
+    return isinstance(call, ast.Call) and (
+        len(call.args) >= 3 or any(k.arg == "tp_size" for k in call.keywords)
+    )
+
+
+def _calls_from_bytecode(func: Any) -> list[ast.expr] | None:
+    """The get_port_offset call expressions of `func`, each parsed from its own source span.
+
+    The span comes from the CALL instruction's positions (Python 3.11+); only those few
+    characters are parsed. None when that is not possible (then the function is parsed).
+    """
+    import dis
+    import linecache
+
+    lines = linecache.getlines(func.__code__.co_filename)
+    if not lines:
+        return None
+    first = 1
+    codes = [func.__code__]
+    calls: list[ast.expr] = []
+    while codes:
+        code = codes.pop()
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        instructions = list(dis.get_instructions(code))
+        for load in instructions:
+            if load.argval != "get_port_offset" or not load.opname.startswith("LOAD_"):
+                continue
+            start = getattr(load, "positions", None)
+            if start is None or start.lineno is None:
+                return None
+            span = next(
+                (
+                    i.positions
+                    for i in instructions
+                    if i.opname == "CALL"
+                    and i.positions is not None
+                    and (i.positions.lineno, i.positions.col_offset) == (start.lineno, start.col_offset)
+                ),
+                None,
+            )
+            if span is None or None in (span.lineno, span.end_lineno, span.col_offset, span.end_col_offset):
+                return None
+            assert span.lineno is not None and span.end_lineno is not None  # for the type checker
+            chunk = [line.encode() for line in lines[span.lineno - first : span.end_lineno - first + 1]]
+            if not chunk:
+                return None
+            chunk[-1] = chunk[-1][: span.end_col_offset]
+            chunk[0] = chunk[0][span.col_offset :]
+            try:
+                calls.append(ast.parse(b"".join(chunk).decode().strip(), mode="eval").body)
+            except (SyntaxError, UnicodeDecodeError):
+                return None
+    return calls or None  # referenced but no call found here: parse the function
+
+
 def names_tp_size_everywhere(func: Any) -> bool:
-    """Does every get_port_offset call in `func` pass a TP size? (Parses this function only.)"""
+    """Does every get_port_offset call in `func` pass a TP size? (Parses its calls only.)"""
     code = func.__code__
     cached = _ARITY_CACHE.get(code)
     if cached is None:
-        calls = [
-            node
-            for node in ast.walk(function_ast(func))
-            if isinstance(node, ast.Call)
-            and (node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None))
-            == "get_port_offset"
-        ]
-        cached = all(len(c.args) >= 3 or any(k.arg == "tp_size" for k in c.keywords) for c in calls)
+        calls = _calls_from_bytecode(func)
+        if calls is None:
+            calls = [
+                node
+                for node in ast.walk(function_ast(func))
+                if isinstance(node, ast.Call)
+                and (node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None))
+                == "get_port_offset"
+            ]
+        cached = all(_names_tp_size(c) for c in calls)
         _ARITY_CACHE[code] = cached
     return cached
 
