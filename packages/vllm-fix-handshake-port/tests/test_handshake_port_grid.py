@@ -15,29 +15,78 @@ from typing import Any
 
 import pytest
 
+from vllm_fix_core import PatchSet, original_of
 from vllm_fix_core.patching import layers_of
 from vllm_fix_handshake_port import FIX
-from vllm_fix_handshake_port.patch import KNOWN_SITES, PeerConventionMismatch, call_sites, recognize
-from vllm_fix_testing import applied, vllm_version
+from vllm_fix_handshake_port.patch import KNOWN_SITES, callers, recognize
+from vllm_fix_handshake_port.rule import listening_tp_size
+from vllm_fix_testing import applied, assert_hostile_wrapper_fails, vllm_version
 
 GRIDS = [(2, 2), (2, 4), (3, 2), (4, 8), (1, 8), (4, 1)]
+# The caller inventory each release line has (see the README, "Supported releases").
+SHAPE = {"0.31.0": "vllm-0.31-0.32", "0.32.0": "vllm-0.31-0.32", "0.33.0": "vllm-0.33"}
 
 
 def test_probe_says_affected_then_fixed() -> None:
     before = FIX.run_probe()
-    assert before.affected  # both 0.32.0 and 0.33.0 carry the defect (spec §1.2 B)
-    assert set(before.names(True)) == {"listener-ports-collide", "dialer-misses-listener"}
-    assert "(0, 1) and (1, 0) both bind base+1" in before.checks[0].detail
+    assert before.affected  # every release 0.24-0.33 carries the defect
+    assert set(before.names(True)) == {
+        "listener-ports-collide",
+        "handshake-dial-misses-listener",
+        "overlapping-port-blocks-accepted",
+    }
+    assert not before.broken_guards  # unpatched, senders and listeners agree (on colliding ports)
+    assert "(0, 1) and (1, 0) both bind" in before.checks[0].detail
     with applied(FIX):
         after = FIX.run_probe()
-        assert not after.affected, after.summary()
+        assert not after.affected and not after.broken_guards, after.summary()
     assert FIX.run_probe().affected
 
 
+def test_hostile_wrapper_over_every_target_is_seen() -> None:
+    assert_hostile_wrapper_fails(FIX)
+
+
+def test_listener_site_wrapper_forcing_tp_size_1_is_seen(mods: SimpleNamespace) -> None:
+    """The issue's scenario: another layer makes the listener site compute with TP size 1."""
+
+    def tp1(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        with listening_tp_size(1):
+            return wrapped(*args, **kwargs)
+
+    with applied(FIX):
+        layer = PatchSet("tp-size-1-at-the-listener")
+        layer.wrap(mods.common.MoRIIOConfig, "from_vllm_config", tp1)
+        try:
+            report = FIX.run_probe()
+        finally:
+            layer.revert()
+        assert "listener-ports-collide" in report.names(True), report.summary()
+
+
+def test_sender_that_skips_the_fix_is_seen(mods: SimpleNamespace) -> None:
+    """A layer that runs vLLM's original release sender (without the fix's TP size) misses the
+    patched listeners: a broken guard, so the ladder would say "failed to fix"."""
+    sched = mods.connector.MoRIIOConnectorScheduler
+    original = original_of(sched, "_release_write_prefill_blocks")
+
+    def skip_fix(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        return original(instance, *args, **kwargs)
+
+    with applied(FIX):
+        layer = PatchSet("original-sender")
+        layer.wrap(sched, "_release_write_prefill_blocks", skip_fix)
+        try:
+            report = FIX.run_probe()
+        finally:
+            layer.revert()
+        assert report.broken_guards == ["release-misses-listener"], report.summary()
+
+
 def test_recognized_shape_is_this_release() -> None:
-    expected = f"vllm-{vllm_version()}"
-    assert recognize() == expected
-    assert call_sites() == KNOWN_SITES[expected]  # upstream drift guard: every call site known
+    shape = SHAPE[str(vllm_version())]
+    assert recognize() == shape
+    assert set(callers()) == KNOWN_SITES[shape]  # upstream drift guard: every caller known
 
 
 def test_every_caller_reaches_the_patched_offset(mods: SimpleNamespace) -> None:
@@ -210,7 +259,7 @@ def test_every_dialer_reaches_its_listener(
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_unpatched_grid_hangs_and_misroutes_then_mismatch_is_detected(
+def test_unpatched_grid_hangs_and_misroutes(
     mods: SimpleNamespace,
     make_worker: Callable[..., Any],
     startup: Callable[[Any], Any],
@@ -237,14 +286,6 @@ def test_unpatched_grid_hangs_and_misroutes_then_mismatch_is_detected(
     )
     assert _wait(lambda: "r1" in _released(workers[(0, 1)]))
     assert _write_notify_port(mods, workers[(0, 0)]._writer, 1, nb, 2, 2) == workers[(0, 1)].notify_port
-    # A patched dialer talking to these unpatched listeners refuses the wrong rank.
-    with applied(FIX):
-        with pytest.raises(PeerConventionMismatch, match=r"BOTH the prefill and the decode"):
-            dialer._moriio_handshake("127.0.0.1", hb, 2, "p_dp1", 1, 0)
-        # The rank it can reach correctly still handshakes.
-        assert dialer._moriio_handshake("127.0.0.1", hb, 2, "p_dp0", 0, 1) == {
-            workers[(0, 1)].moriio_engine.key
-        }
 
 
 def _write_scheduler(mods: SimpleNamespace, tp_size: int) -> Any:

@@ -1,4 +1,4 @@
-"""The rule alone (no vLLM): injective offsets, layout checks, key parsing, messages, watch."""
+"""The rule alone (no vLLM): injective offsets, layout checks, the listening-TP context."""
 
 from __future__ import annotations
 
@@ -8,15 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_fix_handshake_port import watch
 from vllm_fix_handshake_port.rule import (
     PortLayoutError,
-    bind_error_message,
     check_layout,
     current_listening_tp_size,
     listening_tp_size,
-    mismatch_message,
-    parse_engine_key,
     port_offset,
     rank_of_offset,
 )
@@ -91,59 +87,3 @@ def test_listening_context_is_per_thread() -> None:
         t.start()
         t.join()
     assert seen == [None]
-
-
-@pytest.mark.parametrize(
-    ("key", "parsed"),
-    [
-        ("producer:10.0.0.1:6301:tp3:dp1", (6301, 1, 3)),
-        ("consumer:fe80::1:16301:tp0:dp0", (16301, 0, 0)),
-        ("something-else", None),
-        (b"producer:1.2.3.4:1:tp0:dp0", None),
-    ],
-)
-def test_parse_engine_key(key: object, parsed: tuple[int, int, int] | None) -> None:
-    assert parse_engine_key(key) == parsed
-
-
-def test_messages_name_port_rank_and_setting() -> None:
-    text = bind_error_message("handshake", 6302, 1, 0, "handshake_port", 6301, "Address already in use")
-    for part in (
-        "6302",
-        "dp1/tp0",
-        "handshake_port=6301",
-        "kv_connector_extra_config",
-        "ip_local_reserved_ports",
-    ):
-        assert part in text
-    text = mismatch_message(6303, (6301, 1, 0), (6301, 1, 1), "producer:h:6301:tp1:dp1")
-    assert "BOTH" in text and "dp1/tp0" in text and "dp1/tp1" in text
-
-
-def test_watch_reports_first_outcome_and_dead_threads() -> None:
-    done = threading.Event()
-
-    def listener() -> None:
-        watch.report(watch.Outcome("tcp://*:1", OSError("in use")))
-        watch.report(watch.Outcome("tcp://*:1"))  # ignored: first report wins
-        done.wait(5)
-
-    t = threading.Thread(target=listener, daemon=True)
-    t.start()
-    outcome = watch.wait_for(t, 5)
-    assert outcome is not None and not outcome.ok
-    done.set()
-    t.join()
-
-    silent = threading.Thread(target=lambda: None)
-    silent.start()
-    silent.join()
-    died = watch.wait_for(silent, 5)
-    assert died is not None and isinstance(died.error, RuntimeError)
-
-    blocked = threading.Event()
-    waiting = threading.Thread(target=lambda: blocked.wait(5), daemon=True)
-    waiting.start()
-    assert watch.wait_for(waiting, 0.1) is None  # bounded: returns, no outcome
-    blocked.set()
-    waiting.join()

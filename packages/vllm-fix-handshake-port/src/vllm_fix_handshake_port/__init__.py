@@ -1,4 +1,4 @@
-"""vllm-fix-handshake-port: one injective MoRIIO handshake/notify port per rank, no silent hangs."""
+"""vllm-fix-handshake-port: one injective MoRIIO handshake/notify port per rank."""
 
 from vllm_fix_handshake_port.__about__ import __version__
 from vllm_fix_handshake_port.declaration import FIX

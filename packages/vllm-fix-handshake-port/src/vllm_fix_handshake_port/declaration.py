@@ -9,7 +9,7 @@ ENGINE = f"{PACKAGE}.moriio_engine"
 
 FIX = Fix(
     id="handshake-port",
-    title="MoRIIO handshake/notify ports: one injective offset per rank, no silent hangs",
+    title="MoRIIO handshake/notify ports: one injective offset per rank",
     distribution="vllm-fix-handshake-port",
     upstream=(
         Upstream(
@@ -32,18 +32,15 @@ FIX = Fix(
     how=(
         "Every bind and dial site uses dp_local * tp_size + tp_rank with the listening "
         "engine's TP size: get_port_offset is wrapped where each caller reaches it (three "
-        "module globals) and the functions that call it without a TP size (from_vllm_config, "
-        "the worker's side-channel port, the scheduler's notify senders, the WRITE notify "
-        "sender) set the listening TP size. A listener that cannot bind wakes the "
-        "initializing thread, which raises an error naming the port, the rank and the base "
-        "setting to change (the notify listener's bind is awaited, bounded); from_vllm_config "
-        "rejects handshake/notify bases whose port blocks overlap or overflow; a handshake "
-        "that reaches another rank's listener is refused with a message naming the "
-        "convention mismatch. Prefill and decode instances must both run it."
+        "module globals); a call without a TP size uses this engine's TP size (read where "
+        "vLLM's from_vllm_config reads it) at the listener sites, and the peer's TP size inside "
+        "the scheduler's notify senders and the WRITE notify sender (set by their wrappers). "
+        "from_vllm_config also rejects handshake/notify bases whose port blocks overlap or "
+        "overflow. Prefill and decode instances must both run it."
     ),
     retire_when=(
         "vLLM computes one injective per-rank offset (with tp_size) at every MoRIIO bind and "
-        "dial site and surfaces listener bind failures (the probe then reports 'fixed "
+        "dial site and rejects overlapping port blocks (the probe then reports 'fixed "
         "upstream'); drop the package once every supported release, on both the prefill and "
         "the decode side, does."
     ),
@@ -52,16 +49,16 @@ FIX = Fix(
         Target(COMMON, "get_port_offset", ProcessKind.WORKER),
         Target(ENGINE, "get_port_offset", ProcessKind.WORKER),
         Target(COMMON, "MoRIIOConfig.from_vllm_config", ProcessKind.WORKER),
-        Target(CONNECTOR, "MoRIIOConnectorWorker.__init__", ProcessKind.WORKER),
-        Target(CONNECTOR, "MoRIIOConnectorWorker._moriio_handshake_listener", ProcessKind.WORKER),
-        Target(CONNECTOR, "MoRIIOConnectorWorker.register_kv_caches", ProcessKind.WORKER),
-        Target(CONNECTOR, "MoRIIOConnectorWorker._moriio_handshake", ProcessKind.WORKER),
-        Target(ENGINE, "MoRIIOWrapper.async_wait_reqid", ProcessKind.WORKER),
-        Target(ENGINE, "MoRIIOWrapper.register_remote_engine", ProcessKind.WORKER),
-        Target(ENGINE, "zmq_ctx", ProcessKind.WORKER),
-        Target(ENGINE, "MoRIIOWriter", ProcessKind.WORKER),
+        # Releases 0.24-0.26 dial the handshake listener without a TP size: wrapped there only.
+        Target(CONNECTOR, "MoRIIOConnectorWorker._moriio_handshake", ProcessKind.WORKER, optional=True),
         Target(CONNECTOR, "MoRIIOConnectorScheduler._release_write_prefill_blocks", ProcessKind.ENGINE_CORE),
         Target(CONNECTOR, "MoRIIOConnectorScheduler.update_state_after_alloc", ProcessKind.ENGINE_CORE),
+        # The WRITE completion port is computed in one of these, depending on the release
+        # (0.24-0.30: _finalize_if_complete, 0.31-0.32: _execute_write_task, 0.33:
+        # _resolve_notify_endpoint); the one that calls get_port_offset is wrapped.
+        Target(ENGINE, "MoRIIOWriter._finalize_if_complete", ProcessKind.WORKER, optional=True),
+        Target(ENGINE, "MoRIIOWriter._execute_write_task", ProcessKind.WORKER, optional=True),
+        Target(ENGINE, "MoRIIOWriter._resolve_notify_endpoint", ProcessKind.WORKER, optional=True),
     ),
     probe="vllm_fix_handshake_port.probe:probe",
     recognize="vllm_fix_handshake_port.patch:recognize",

@@ -12,7 +12,6 @@ with ``tp_size`` the TP size of the engine that *listens*.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -96,50 +95,3 @@ def current_listening_tp_size() -> int | None:
         return None
     size = value() if callable(value) else value
     return int(size)
-
-
-# MoRIIO names each engine "<role>:<ip>:<handshake base>:tp<tp>:dp<dp>" (same in 0.32/0.33).
-_ENGINE_KEY = re.compile(r":(?P<base>\d+):tp(?P<tp>\d+):dp(?P<dp>\d+)$")
-
-
-def parse_engine_key(key: object) -> tuple[int, int, int] | None:
-    """(handshake base, dp, tp) from a MoRIIO engine key, or None if it has another form."""
-    if not isinstance(key, str):
-        return None
-    match = _ENGINE_KEY.search(key)
-    if match is None:
-        return None
-    return int(match["base"]), int(match["dp"]), int(match["tp"])
-
-
-def bind_error_message(
-    role: str, port: int, dp_rank: int, tp_rank: int, setting: str, base: int | None, cause: object
-) -> str:
-    """The error an operator sees when a listener cannot bind its port."""
-    base_text = f"{setting}={base}" if base is not None else setting
-    return (
-        f"MoRIIO {role} listener of rank dp{dp_rank}/tp{tp_rank} cannot bind port {port}: "
-        f"{cause}. The port is taken on this host (another vLLM instance, another service, "
-        f"or an outgoing connection that drew it from ip_local_port_range). Each rank listens on "
-        f"{setting} + dp_local * tp_size + tp_rank; change {base_text} in "
-        "kv_transfer_config.kv_connector_extra_config so that the whole block is free on this "
-        "host (give every instance on the host its own block, and keep it outside "
-        "net.ipv4.ip_local_port_range or list it in net.ipv4.ip_local_reserved_ports). The "
-        "same base must be used by the peers that dial this instance."
-    )
-
-
-def mismatch_message(
-    dialed_port: int, want: tuple[int, int, int], got: tuple[int, int, int], key: str
-) -> str:
-    """The error when a handshake dial reaches a listener of another rank or instance."""
-    base, dp, tp = want
-    got_base, got_dp, got_tp = got
-    return (
-        f"MoRIIO handshake dialed port {dialed_port} for remote rank dp{dp}/tp{tp} (base {base}) "
-        f"but reached engine {key!r} (base {got_base}, dp{got_dp}/tp{got_tp}). The two instances "
-        "disagree on the per-rank port convention: install vllm-fix-handshake-port (or a vLLM "
-        "that listens at base + dp_local * tp_size + tp_rank) on BOTH the prefill and the decode "
-        "instances, or give instances that share a host disjoint handshake_port/notify_port "
-        "blocks. Refusing the handshake instead of transferring KV to the wrong rank."
-    )

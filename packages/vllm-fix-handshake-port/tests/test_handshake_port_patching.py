@@ -1,12 +1,7 @@
-"""Bind failures at start-up, config guards, idempotence, exact revert, composition, shape guards.
-
-Start-up runs the real MoRIIOConnectorWorker.__init__ and register_kv_caches (real
-handshake and notify listeners on loopback); only MORI is faked.
-"""
+"""Config guard, idempotence, exact revert, composition, shape guards (real vLLM)."""
 
 from __future__ import annotations
 
-import socket
 import types
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -18,108 +13,40 @@ from vllm_fix_core import PatchSet, Rung, UnknownShape, runtime
 from vllm_fix_core.ladder import evaluate
 from vllm_fix_core.patching import layers_of
 from vllm_fix_core.settings import Settings
-from vllm_fix_handshake_port import FIX
-from vllm_fix_handshake_port.patch import KNOWN_SITES, ListenerBindError, check_sites, recognize
+from vllm_fix_handshake_port import FIX, patch
+from vllm_fix_handshake_port.patch import classify, recognize
 from vllm_fix_handshake_port.rule import PortLayoutError
 from vllm_fix_testing import STRICT, applied
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-
 
 def _targets(mods: SimpleNamespace) -> list[tuple[Any, str]]:
-    worker, wrapper = mods.connector.MoRIIOConnectorWorker, mods.engine.MoRIIOWrapper
     sched, writer = mods.connector.MoRIIOConnectorScheduler, mods.engine.MoRIIOWriter
-    writer_attr = (
-        "_resolve_notify_endpoint" if "_resolve_notify_endpoint" in writer.__dict__ else "_execute_write_task"
-    )
+    writer_attr = next(q.split(".")[1] for m, q in patch.callers() if q.startswith("MoRIIOWriter."))
     return [
         (mods.common, "get_port_offset"),
         (mods.connector, "get_port_offset"),
         (mods.engine, "get_port_offset"),
-        (mods.engine, "zmq_ctx"),
         (mods.common.MoRIIOConfig, "from_vllm_config"),
-        (worker, "__init__"),
-        (worker, "_moriio_handshake_listener"),
-        (worker, "register_kv_caches"),
-        (worker, "_moriio_handshake"),
-        (wrapper, "async_wait_reqid"),
-        (wrapper, "register_remote_engine"),
         (sched, "_release_write_prefill_blocks"),
         (sched, "update_state_after_alloc"),
         (writer, writer_attr),
     ]
 
 
-# --------------------------------------------------------------------------- start-up
-
-
-def test_prebound_handshake_port_hangs_unpatched_and_raises_patched(
-    make_worker: Callable[..., Any],
-    startup: Callable[[Any], Any],
-    held_port: Callable[[], tuple[socket.socket, int]],
-    free_bases: Callable[[int], tuple[int, int]],
-) -> None:
-    _, port = held_port()
-    _, nb = free_bases(4)
-    # Negative control: unpatched, the listener thread dies and start-up waits forever.
-    hung = startup(make_worker(0, 0, 1, 1, handshake=port, notify=nb))
-    assert not hung.wait(3)
-    assert not hung.worker._moriio_handshake_listener_t.is_alive()
-    with applied(FIX):
-        # Rank (1, 1) of a 2 x 2 host, whose handshake port (base + 3) is taken.
-        worker = make_worker(1, 1, 2, 2, handshake=port - 3, notify=nb)
-        assert worker.side_channel_port == port
-        s = startup(worker)
-        assert s.wait(10), "start-up still waiting: the patched worker hangs"
-        assert isinstance(s.error, ListenerBindError), repr(s.error)
-        text = str(s.error)
-        for part in (f"port {port}", "dp1/tp1", f"handshake_port={port - 3}", "kv_connector_extra_config"):
-            assert part in text
-        assert s.error.role == "handshake" and s.error.port == port
-        assert s.seconds < 5
-        assert worker.moriio_wrapper.notify_thread is None  # nothing more started
-        print(
-            f"pre-bound handshake port: error after {s.seconds * 1000:.0f} ms "
-            "(unpatched: still waiting after 3 s)"
-        )
-
-
-def test_prebound_notify_port_is_silent_unpatched_and_raises_patched(
-    make_worker: Callable[..., Any],
-    startup: Callable[[Any], Any],
-    held_port: Callable[[], tuple[socket.socket, int]],
-    free_bases: Callable[[int], tuple[int, int]],
-) -> None:
-    _, port = held_port()
-    hb, _ = free_bases(8)
-    # Negative control: unpatched start-up "succeeds" and the notify thread is dead.
-    quiet = startup(make_worker(0, 0, 1, 1, handshake=hb, notify=port))
-    assert quiet.wait(10) and quiet.error is None
-    quiet.worker.moriio_wrapper.notify_thread.join(3)
-    assert not quiet.worker.moriio_wrapper.notify_thread.is_alive()
-    with applied(FIX):
-        worker = make_worker(0, 1, 1, 2, handshake=hb + 4, notify=port - 1)
-        assert worker.notify_port == port
-        s = startup(worker)
-        assert s.wait(15)
-        assert isinstance(s.error, ListenerBindError), repr(s.error)
-        for part in (f"port {port}", "dp0/tp1", f"notify_port={port - 1}"):
-            assert part in str(s.error)
-        assert s.seconds < 5
-        print(f"pre-bound notify port: error after {s.seconds * 1000:.0f} ms (unpatched: silent)")
-
-
-def test_healthy_startup_is_unchanged(
-    make_worker: Callable[..., Any],
-    startup: Callable[[Any], Any],
-    free_bases: Callable[[int], tuple[int, int]],
-) -> None:
-    hb, nb = free_bases(4)
-    with applied(FIX):
-        s = startup(make_worker(0, 0, 1, 1, handshake=hb, notify=nb))
-        assert s.wait(10) and s.error is None
-        assert s.worker.moriio_wrapper.notify_thread.is_alive()
-        assert s.worker._moriio_handshake_listener_t.is_alive()
+def test_declared_targets_are_exactly_the_patched_ones(mods: SimpleNamespace) -> None:
+    declared = set()
+    for target in FIX.targets:
+        try:
+            owner, attr, _ = target.resolve()
+        except AttributeError:
+            assert target.optional
+            continue
+        declared.add((id(owner), attr))
+    with applied(FIX) as decision:
+        assert decision.patch is not None
+        touched = {(id(owner), attr) for owner, attr in decision.patch._touched}
+    assert touched <= declared
+    assert touched == {(id(owner), attr) for owner, attr in _targets(mods)}
 
 
 def test_overlapping_bases_are_rejected(mods: SimpleNamespace, ranks: Callable[[int, int], None]) -> None:
@@ -233,8 +160,8 @@ def test_composes_with_another_wrapper_in_either_order(
 
 
 def test_refuses_a_changed_offset_function(mods: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
-    def get_port_offset(dp_rank: int, tp_rank: int, tp_size: int) -> int:
-        return dp_rank * tp_size + tp_rank
+    def get_port_offset(dp_rank: int, tp_rank: int, tp_size: int = 1) -> int:
+        return dp_rank + tp_rank  # ignores tp_size everywhere: not the function the fix wraps
 
     monkeypatch.setattr(mods.common, "get_port_offset", get_port_offset)
     with pytest.raises(UnknownShape, match="get_port_offset"):
@@ -255,20 +182,64 @@ def test_refuses_a_cached_reference_to_another_function(
         recognize()
 
 
-def test_refuses_a_changed_listener(mods: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        mods.connector.MoRIIOConnectorWorker, "_moriio_handshake_listener", staticmethod(lambda port: None)
-    )
-    with pytest.raises(UnknownShape, match="_moriio_handshake_listener"):
+def test_unknown_callers_are_placed_by_structure() -> None:
+    """Older releases and forks: a caller is placed by where it sits, not by a list of names."""
+
+    def sender_like(self: Any, request_id: str, params: dict[str, Any]) -> int:
+        return 0
+
+    def dials_with_size(self: Any, dp: int, tp: int, size: int) -> int:
+        from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import get_port_offset
+
+        return get_port_offset(dp, tp, size)
+
+    def dials_without_size(self: Any, dp: int, tp: int) -> int:
+        from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import get_port_offset
+
+        return get_port_offset(dp, tp)
+
+    assert classify(("moriio_connector", "MoRIIOConnectorScheduler._new_sender"), sender_like) == "sender"
+    assert classify(("moriio_engine", "MoRIIOWriter._new_notify"), sender_like) == "writer"
+    assert classify(("moriio_connector", "MoRIIOConnectorWorker._new_dial"), dials_with_size) == "explicit"
+    with pytest.raises(UnknownShape, match=r"MoRIIOConnectorWorker\._new_dial calls get_port_offset without"):
+        classify(("moriio_connector", "MoRIIOConnectorWorker._new_dial"), dials_without_size)
+
+
+def test_refuses_an_unknown_caller_without_tp_size(
+    mods: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = "def _dial_peer(self, dp, tp):\n    return get_port_offset(dp, tp)\n"
+    scope: dict[str, Any] = {}
+    exec(compile(source, mods.connector.__file__, "exec"), mods.connector.__dict__, scope)
+    func = scope["_dial_peer"]
+    func.__module__ = mods.connector.__name__
+    monkeypatch.setattr(mods.connector.MoRIIOConnectorWorker, "_dial_peer", func, raising=False)
+    monkeypatch.setattr(patch, "names_tp_size_everywhere", lambda f: False)  # its source is not on disk
+    with pytest.raises(UnknownShape, match="_dial_peer"):
         recognize()
+    decision = evaluate(FIX, Settings(disabled=frozenset(), strict=False), apply=True)
+    assert decision.rung is Rung.REFUSED and "this vLLM has the bug" in decision.reason
 
 
-def test_refuses_an_unknown_call_site() -> None:
-    for known in KNOWN_SITES.values():
-        check_sites(known)
-        with pytest.raises(UnknownShape, match=r"moriio_connector:Somewhere\.new"):
-            check_sites(known | {("moriio_connector", "Somewhere.new", 2)})
-        check_sites(known | {("moriio_connector", "Somewhere.new", 3)})  # names the TP size: fine
+def test_a_new_scheduler_sender_is_wrapped(mods: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork's extra scheduler sender gets the peer's TP size like vLLM's own senders."""
+    source = (
+        "def _fork_release(self, request_id, params):\n"
+        "    return [get_port_offset(params['remote_dp_rank'], t) for t in range(self.tp_size)]\n"
+    )
+    scope: dict[str, Any] = {}
+    exec(compile(source, mods.connector.__file__, "exec"), mods.connector.__dict__, scope)
+    func = scope["_fork_release"]
+    func.__module__ = mods.connector.__name__
+    monkeypatch.setattr(mods.connector.MoRIIOConnectorScheduler, "_fork_release", func, raising=False)
+    assert recognize() == "structural"
+    sched = mods.connector.MoRIIOConnectorScheduler.__new__(mods.connector.MoRIIOConnectorScheduler)
+    sched.tp_size = 2
+    params = {"remote_dp_rank": 1, "remote_tp_size": 2}
+    assert sched._fork_release("r", params) == [1, 2]  # unpatched: dp + tp
+    with applied(FIX) as decision:
+        assert decision.shape == "structural"
+        assert sched._fork_release("r", params) == [2, 3]  # dp * peer TP size + tp
 
 
 def test_plugin_entry_points_are_declared() -> None:
