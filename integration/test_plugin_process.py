@@ -24,5 +24,5 @@ def test_every_fix_decides_once_when_vllm_imports_its_target(fixes: list[Install
     # Loading the plugins decided nothing and imported no target: every fix waits for vLLM.
     assert data["after_load"] == {fid: "pending" for fid in ids}
     for fid in ids:
-        assert data["decisions"][fid] in ("applied", "upstream-fixed"), (fid, data["lines"].get(fid))
+        assert data["decisions"][fid] in ("affected → fixed", "fixed upstream"), (fid, data["lines"].get(fid))
         assert len(data["lines"][fid]) == 1, (fid, data["lines"][fid])
