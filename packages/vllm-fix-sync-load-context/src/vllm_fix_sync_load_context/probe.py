@@ -47,12 +47,16 @@ class RecordingLoader:
                 "mode": forward_context.cudagraph_runtime_mode,
                 "attn_metadata": forward_context.attn_metadata,
                 "batch_descriptor": forward_context.batch_descriptor,
-                "is_padding": forward_context.is_padding,
+                # Releases whose forward context has no padding mask (0.24) leave it out.
+                "is_padding": getattr(forward_context, "is_padding", NO_FIELD),
             }
         )
 
     def finish_forward(self) -> None:
         pass
+
+
+NO_FIELD = object()
 
 
 class _Graphs:
@@ -269,7 +273,7 @@ def probe() -> ProbeReport:
         desc = load["batch_descriptor"]
         if desc is None or desc.num_tokens != batch.num_tokens_after_padding:
             wrong.append(f"batch_descriptor={desc!r}")
-        if load["is_padding"] is not batch.is_padding:
+        if load["is_padding"] is not NO_FIELD and load["is_padding"] is not batch.is_padding:
             wrong.append("is_padding is not the step's")
     ordered = full.events[:2] == ["start_load_kv", "replay"]
 
