@@ -236,7 +236,8 @@ for _target in TARGETS:
 
 
 # ------------------------------------------------------------------ vLLM's own tests
-UPSTREAM_TOOLS = ["tblib", "pytest-asyncio", "pytest-timeout"]
+# What vLLM's own test suite imports beyond vLLM (its conftest and tests/utils.py).
+UPSTREAM_TOOLS = ["tblib", "pytest-asyncio", "pytest-timeout", "anthropic"]
 
 
 def _upstream_tool(session: nox.Session, *args: str, last: bool = True) -> str:
