@@ -61,7 +61,9 @@ def _base(session: nox.Session, target: str) -> Path:
     )
     # The same for every checkout and worktree of the repository (paths are made relative), so
     # checkouts that share .nox/_cache share the base instead of rebuilding it for each other.
-    key = json.dumps(commands).replace(str(ROOT), "<root>")
+    # The requirement files' contents are part of the key: editing one rebuilds the base.
+    pinned = {f.name: f.read_text() for f in sorted((ROOT / "tools" / "requirements").glob("*.txt"))}
+    key = json.dumps([commands, pinned]).replace(str(ROOT), "<root>")
     marker = base / ".complete"
     CACHE.mkdir(parents=True, exist_ok=True)
     # One builder at a time: a session that finds the base being built waits for it instead of
@@ -236,8 +238,10 @@ for _target in TARGETS:
 
 
 # ------------------------------------------------------------------ vLLM's own tests
-# What vLLM's own test suite imports beyond vLLM (its conftest and tests/utils.py).
-UPSTREAM_TOOLS = ["tblib", "pytest-asyncio", "pytest-timeout", "anthropic"]
+# What vLLM's own test suite imports beyond vLLM (its conftest and tests/utils.py); the 0.33.0
+# target holds only vLLM's minimal dependencies, so its suite needs the server stack as well.
+UPSTREAM_TOOLS = ["tblib", "pytest-asyncio", "pytest-timeout"]
+UPSTREAM_EXTRA = {"0.33.0": ["anthropic", "httpx", "uvicorn", "watchfiles"]}
 
 
 def _upstream_tool(session: nox.Session, *args: str, last: bool = True) -> str:
@@ -259,6 +263,7 @@ def _upstream(target: str) -> None:
             _python(session),
             *vllm_env.uv_args(),
             *UPSTREAM_TOOLS,
+            *UPSTREAM_EXTRA.get(target, []),
             external=True,
         )
         cache = str(CACHE / "upstream")
