@@ -7,7 +7,6 @@ vLLM process does, with only this package's entry point allowed (VLLM_PLUGINS).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -15,16 +14,9 @@ from typing import Any
 
 import vllm.plugins  # noqa: F401  (vLLM itself, imported before the fork)
 
+from vllm_fix_testing.plugin_scenarios import Capture, run_forked
+
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
-
-
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[tuple[str, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append((record.levelname, record.getMessage()))
 
 
 def _state() -> dict[str, Any]:
@@ -88,25 +80,5 @@ def scenario(name: str) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    for name in sys.argv[1:]:
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            try:
-                payload = json.dumps(scenario(name))
-            except BaseException as exc:  # report, never hang the parent
-                payload = json.dumps({"scenario": name, "crashed": repr(exc)})
-            with os.fdopen(write, "w") as out:
-                out.write(payload)
-            os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as inp:
-            data = inp.read()
-        os.waitpid(pid, 0)
-        print(data, flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    run_forked(scenario)
