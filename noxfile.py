@@ -115,6 +115,7 @@ def _pytest(
     *extra: str,
     part: str = "",
     codes: tuple[int, ...] = (0,),
+    extra_env: dict[str, str] | None = None,
 ) -> None:
     REPORTS.mkdir(parents=True, exist_ok=True)
     report = REPORTS / f"{session.name}{'-' + part if part else ''}.xml"
@@ -133,7 +134,7 @@ def _pytest(
         *extra,
         *paths,
         *session.posargs,
-        env=_env(target),
+        env={**_env(target), **(extra_env or {})},
         success_codes=list(codes),
     )
 
@@ -203,20 +204,34 @@ def _integration(target: str) -> None:
     nox.session(name=f"integration-{target}", python=PYTHON, tags=tags)(session_fn)
 
 
-def _stress(target: str) -> None:
+def _stress_folders() -> list[tuple[str, Path]]:
+    """The test folders that hold a stress test (the others would only pay vLLM's import)."""
+    folders = [(p.slug, p.tests) for p in workspace.packages() if p.tests.is_dir()]
+    return [
+        (part, path)
+        for part, path in [*folders, ("integration", ROOT / "integration")]
+        if any("mark.stress" in f.read_text() for f in path.glob("test_*.py"))
+    ]
+
+
+def _stress(target: str, size: str) -> None:
     def session_fn(session: nox.Session) -> None:
         _all_installed(session, target)
         # One process per package (and one for integration/): a race that forks ranks sees only
         # what its own tests installed, never a fix another package's tests left behind.
-        # Exit code 5: that folder has no stress test.
-        folders = [(p.slug, p.tests) for p in workspace.packages() if p.tests.is_dir()]
-        for part, path in [*folders, ("integration", ROOT / "integration")]:
-            _pytest(session, target, [str(path)], "-m", "stress", part=part, codes=(0, 5))
+        for part, path in _stress_folders():
+            _pytest(session, target, [str(path)], "-m", "stress", part=part, extra_env={"FIXES_STRESS": size})
 
-    session_fn.__doc__ = f"long randomized and race runs (pytest -m stress) on vLLM {target}"
-    nox.session(name=f"stress-{target}", python=PYTHON, tags=["stress", "ci", "lane-a", f"vllm-{target}"])(
-        session_fn
-    )
+    if size == "full":
+        session_fn.__doc__ = f"long randomized and race runs (pytest -m stress) at full size on vLLM {target}"
+        name, tags = f"stress-{target}", ["stress", f"vllm-{target}"]
+    else:
+        session_fn.__doc__ = (
+            f"CI's focused form of stress-{target}: the same stress tests and assertions, smaller "
+            "(FIXES_STRESS=focused)"
+        )
+        name, tags = f"stress-focused-{target}", ["stress-focused", "ci", "lane-b", f"vllm-{target}"]
+    nox.session(name=name, python=PYTHON, tags=tags)(session_fn)
 
 
 def _verify(target: str) -> None:
@@ -233,7 +248,8 @@ def _verify(target: str) -> None:
 for _target in TARGETS:
     _combined(_target)
     _integration(_target)
-    _stress(_target)
+    _stress(_target, "full")
+    _stress(_target, "focused")
     _verify(_target)
 
 
@@ -249,7 +265,7 @@ def _upstream_tool(session: nox.Session, *args: str, last: bool = True) -> str:
     return out.strip().splitlines()[-1] if last else out
 
 
-def _upstream(target: str) -> None:
+def _upstream(target: str, focused: bool) -> None:
     def session_fn(session: nox.Session) -> None:
         meta = workspace.by_name()[workspace.META]
         local, _ = workspace.local_closure(meta, extras=())
@@ -271,28 +287,35 @@ def _upstream(target: str) -> None:
         home = _upstream_tool(session, "hub", "--cache", cache)
         tests = _upstream_tool(session, "tests", "--root", str(root), last=False).split()
         reports = Path(session.create_tmp()).resolve()
+        shutil.rmtree(reports / "pytest-cache", ignore_errors=True)
         env = {
             **_env(target),
             "HF_HOME": home,
             "VLLM_TARGET_DEVICE": "cpu",
             "PYTHONPATH": str(ROOT / "tools"),
         }
-        for tag, extra in (("patched", {}), ("unpatched", {"VLLM_FIXES_DISABLE": "all"})):
+        # The focused form runs the unpatched suite only over the tests that failed patched
+        # (pytest's --last-failed): a difference is a test that passes unpatched and fails
+        # patched, so a test that passed patched cannot be one.
+        unpatched_selection = ["--last-failed", "--last-failed-no-failures", "none"] if focused else []
+        runs = (("patched", {}, []), ("unpatched", {"VLLM_FIXES_DISABLE": "all"}, unpatched_selection))
+        for tag, extra, selection in runs:
             session.chdir(str(root))
             session.run(
                 "python",
                 "-m",
                 "pytest",
                 "-q",
-                "-p",
-                "no:cacheprovider",
+                "-o",
+                f"cache_dir={reports / 'pytest-cache'}",
                 "-p",
                 "upstream_load_fixes",
                 "--timeout=600",
                 f"--junitxml={reports / tag}.xml",
+                *selection,
                 *tests,
                 env={**env, **extra},
-                success_codes=[0, 1],
+                success_codes=[0, 1, 5] if selection else [0, 1],
             )
         session.chdir(str(ROOT))
         session.run(
@@ -307,16 +330,24 @@ def _upstream(target: str) -> None:
             str(reports / "unpatched.xml"),
             "--reviewed",
             str(ROOT / "integration" / "upstream-differences.toml"),
+            *(["--focused"] if focused else []),
         )
 
-    session_fn.__doc__ = f"vLLM {target}'s own tests of the patched modules, with and without every fix"
-    nox.session(
-        name=f"upstream-{target}", python=PYTHON, tags=["upstream", "ci", "lane-a", f"vllm-{target}"]
-    )(session_fn)
+    if focused:
+        session_fn.__doc__ = (
+            f"CI's focused form of upstream-{target}: vLLM {target}'s own tests of the patched modules "
+            "with every fix, then without the fixes only those that failed with them"
+        )
+        name, tags = f"upstream-focused-{target}", ["upstream-focused", "ci", "lane-a", f"vllm-{target}"]
+    else:
+        session_fn.__doc__ = f"vLLM {target}'s own tests of the patched modules, with and without every fix"
+        name, tags = f"upstream-{target}", ["upstream", f"vllm-{target}"]
+    nox.session(name=name, python=PYTHON, tags=tags)(session_fn)
 
 
 for _target in TARGETS:
-    _upstream(_target)
+    _upstream(_target, focused=False)
+    _upstream(_target, focused=True)
 
 
 # ------------------------------------------------------------------ the release matrix

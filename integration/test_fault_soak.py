@@ -12,6 +12,7 @@ from vllm_fix_core import Rung, runtime
 from vllm_fix_core.registry import Installed
 from vllm_fix_testing import STRICT
 from vllm_fix_testing.prefill_instance import soak
+from vllm_fix_testing.stress import scaled
 
 
 def run_soak_with_all_fixes(fixes: list[Installed], requests: int, seed: int, workers: int) -> None:
@@ -41,4 +42,4 @@ def test_fault_soak_with_every_fix_applied(fixes: list[Installed]) -> None:
 @pytest.mark.stress
 @pytest.mark.parametrize("seed,workers", [(202, 4), (303, 8)])
 def test_fault_soak_with_every_fix_applied_stress(fixes: list[Installed], seed: int, workers: int) -> None:
-    run_soak_with_all_fixes(fixes, requests=10_000, seed=seed, workers=workers)
+    run_soak_with_all_fixes(fixes, requests=scaled(10_000, 2_000), seed=seed, workers=workers)

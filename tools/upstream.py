@@ -4,6 +4,7 @@
     python tools/upstream.py hub --cache DIR                          prints an offline HF_HOME
     python tools/upstream.py tests --root TESTS_PARENT                prints the test paths
     python tools/upstream.py compare --release R --patched A.xml --unpatched B.xml --reviewed F.toml
+                                     [--focused]
 
 `fetch` downloads the release's source distribution from the package registry once (cached)
 and extracts its tests/. `compare` fails on every test that passes without the fixes and fails
@@ -156,19 +157,28 @@ def _key(test_id: str) -> str:
     return module.replace("/", ".").removesuffix(".py").rsplit(".", 1)[-1] + "::" + name
 
 
-def compare(release: str, patched: Path, unpatched: Path, review: Path) -> int:
+def compare(release: str, patched: Path, unpatched: Path, review: Path, focused: bool = False) -> int:
+    """`focused`: the unpatched run covered only the tests that failed patched (CI's form), so
+    "passes only with the fixes" cannot be known and is not reported."""
     with_fixes = {_key(k): v for k, v in outcomes(patched).items()}
     without = {_key(k): v for k, v in outcomes(unpatched).items()}
     listed = {_key(k): v for k, v in reviewed(review, release).items()}
     broken = sorted(t for t, v in without.items() if v == "passed" and with_fixes.get(t) == "failed")
     fixed = sorted(t for t, v in without.items() if v == "failed" and with_fixes.get(t) == "passed")
+    # Every test that failed patched must have been run unpatched (or the comparison is blind).
+    unseen = sorted(t for t, v in with_fixes.items() if v == "failed" and t not in without)
     unexplained = [t for t in broken if t not in listed]
     stale = sorted(t for t in listed if t not in broken)
     counts = {s: sum(1 for v in with_fixes.values() if v == s) for s in ("passed", "failed", "skipped")}
     print(
         f"upstream {release}: {len(with_fixes)} of vLLM's tests; with the fixes {counts['passed']} passed, "
         f"{counts['failed']} failed, {counts['skipped']} skipped; {len(broken)} pass only without the "
-        f"fixes ({len(broken) - len(unexplained)} reviewed), {len(fixed)} pass only with them"
+        f"fixes ({len(broken) - len(unexplained)} reviewed), "
+        + (
+            "the unpatched run covered only those that failed with them"
+            if focused
+            else f"{len(fixed)} pass only with them"
+        )
     )
     for test in broken:
         if test in listed:
@@ -183,7 +193,9 @@ def compare(release: str, patched: Path, unpatched: Path, review: Path) -> int:
         print(f"  UNREVIEWED: {test} passes without the fixes and fails with them")
     for test in stale:
         print(f"  STALE review entry: {test} no longer differs on {release}")
-    return 1 if unexplained or stale else 0
+    for test in unseen:
+        print(f"  NOT COMPARED: {test} failed with the fixes and has no unpatched result")
+    return 1 if unexplained or stale or unseen else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--patched", type=Path, required=True)
     c.add_argument("--unpatched", type=Path, required=True)
     c.add_argument("--reviewed", type=Path, required=True)
+    c.add_argument(
+        "--focused", action="store_true", help="the unpatched run covered only the patched failures"
+    )
     args = parser.parse_args(argv)
     if args.command == "fetch":
         print(fetch(args.release, args.cache))
@@ -211,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "tests":
         print("\n".join(test_paths(args.root)))
     else:
-        return compare(args.release, args.patched, args.unpatched, args.reviewed)
+        return compare(args.release, args.patched, args.unpatched, args.reviewed, args.focused)
     return 0
 
 

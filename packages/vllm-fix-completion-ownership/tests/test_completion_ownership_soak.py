@@ -13,6 +13,7 @@ from vllm_fix_completion_ownership.patch import GATE_ATTR, LEDGER_ATTR
 from vllm_fix_completion_ownership.rule import RETIRED_WINDOW
 from vllm_fix_testing import applied, vllm_version
 from vllm_fix_testing.prefill_instance import Figures, World, soak
+from vllm_fix_testing.stress import scaled
 
 DEFAULT_REQUESTS = 10_000
 
@@ -60,7 +61,7 @@ def test_soak_patched_frees_everything_exactly_once() -> None:
     [(11, 2, True), (12, 4, True), (13, 1, False), (14, 8, True)],
 )
 def test_soak_stress(seed: int, workers: int, async_scheduling: bool) -> None:
-    requests = 15_000
+    requests = scaled(15_000, 3_000)
     shape = {"num_workers": workers, "async_scheduling": async_scheduling}
     _, before = run(requests, seed=seed, patched=False, **shape)
     _, after = run(requests, seed=seed, patched=True, **shape)

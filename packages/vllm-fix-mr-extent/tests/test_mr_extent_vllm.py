@@ -27,6 +27,7 @@ from vllm_fix_mr_extent import FIX, patch, probe
 from vllm_fix_mr_extent.rule import PAGE_SIZE, SharedMRError, align_down, registration_problems
 from vllm_fix_testing import applied, assert_hostile_wrapper_fails, vllm_version
 from vllm_fix_testing import kv_storage as kv
+from vllm_fix_testing.stress import scaled
 
 WORKER = mc.MoRIIOConnectorWorker
 ORIGINAL = original_of(WORKER, "_build_shared_kv_mr")
@@ -326,7 +327,7 @@ def test_drifted_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.stress
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=scaled(1000, 300), deadline=None)
 @given(vllm_layouts())
 def test_patched_builder_properties_stress(scenario: probe.Scenario) -> None:
     test_patched_builder_properties.hypothesis.inner_test(scenario)  # type: ignore[attr-defined]

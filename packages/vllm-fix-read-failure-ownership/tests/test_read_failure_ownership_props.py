@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from vllm_fix_core import runtime
 from vllm_fix_read_failure_ownership import FIX
 from vllm_fix_testing import FakeStatus, applied
+from vllm_fix_testing.stress import scaled
 
 TIMEOUT = 120.0
 STEP_SECONDS = [0.0, 1.0, 50.0, 130.0]  # no sum of <= 5 of these lies in (118, 122)
@@ -135,7 +136,9 @@ def test_invariants_hold_patched(kit: SimpleNamespace, sc: Scenario) -> None:
 
 @pytest.mark.stress
 @given(sc=scenarios())
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=scaled(3000, 600), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 def test_invariants_hold_patched_stress(kit: SimpleNamespace, sc: Scenario) -> None:
     with applied(FIX):
         assert check(kit, sc) == []
