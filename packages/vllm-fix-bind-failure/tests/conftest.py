@@ -16,6 +16,7 @@ from vllm_fix_testing.moriio_worker import (
     install_worker_stand_ins,
     kv_cache_config,
     moriio_modules,
+    shut_down,
     worker_vllm_config,
 )
 
@@ -40,7 +41,7 @@ def make_worker(monkeypatch: pytest.MonkeyPatch, mods: SimpleNamespace) -> Itera
 
     yield make
     for worker in made:
-        worker.shutdown()
+        shut_down(worker)
 
 
 @pytest.fixture

@@ -96,7 +96,7 @@ def test_wire_version_is_checked() -> None:
 def test_ledger_surfaces_once_after_every_owner() -> None:
     ledger = SchedulerLedger()
     ledger.accept_partial_tail("r", 2)
-    assert ledger.record_finished("r", [0]) == frozenset({0, 2})
+    assert ledger.record_finished("r", [0]) == (0, 2)
     first = ledger.take_update()
     assert first["owners"] == {"r": (0, 2)}
     assert ledger.complete(0, "r")  # e.g. a watchdog, before the workers reported

@@ -15,6 +15,7 @@ from vllm_fix_testing.moriio_worker import (
     install_worker_stand_ins,
     kv_cache_config,
     moriio_modules,
+    shut_down,
     worker_vllm_config,
 )
 
@@ -64,7 +65,7 @@ def make_worker(mods: SimpleNamespace, ranks: Callable[[int, int], None]) -> Ite
 
     yield make
     for worker in made:
-        worker.shutdown()
+        shut_down(worker)
 
 
 @pytest.fixture

@@ -75,7 +75,7 @@ class _Entry:
 
     __slots__ = ("owners", "remaining", "workers_done")
 
-    def __init__(self, owners: frozenset[int]) -> None:
+    def __init__(self, owners: tuple[int, ...]) -> None:
         self.owners = owners
         self.remaining = set(owners)  # owners that have not completed on the scheduler side
         self.workers_done = False  # every worker reported it (all owners completed there)
@@ -112,13 +112,15 @@ class SchedulerLedger:
     def accept_partial_tail(self, req_id: str, child: int) -> None:
         self.partial.setdefault(req_id, set()).add(child)
 
-    def record_finished(self, req_id: str, holders: Iterable[int]) -> frozenset[int]:
-        """R finished; `holders` are the children that asked to keep its blocks."""
-        owners = frozenset(holders)
-        partial = self.partial.pop(req_id, None)
-        if partial:
-            owners |= partial
-        self.ship_owners[req_id] = tuple(sorted(owners))
+    def record_finished(self, req_id: str, holders: list[int]) -> tuple[int, ...]:
+        """R finished; `holders` are the children that asked to keep its blocks, in child
+        order (each child is asked once, in order). Returns O(R), ascending."""
+        owners = tuple(holders)
+        if self.partial:
+            partial = self.partial.pop(req_id, None)
+            if partial:
+                owners = tuple(sorted(partial.union(owners)))
+        self.ship_owners[req_id] = owners
         if owners:
             self.entries[req_id] = _Entry(owners)
         else:
@@ -130,10 +132,21 @@ class SchedulerLedger:
         self.ship_loaders[req_id] = child
 
     def take_update(self) -> dict[str, Any]:
-        if not (self.ship_owners or self.ship_forced or self.ship_loaders):
+        """This step's update for the workers (only the non-empty parts; absent ones read as
+        empty), or the shared EMPTY_UPDATE."""
+        owners, forced, loaders = self.ship_owners, self.ship_forced, self.ship_loaders
+        if not (owners or forced or loaders):
             return EMPTY_UPDATE
-        update = encode_update(self.ship_owners, self.ship_forced, self.ship_loaders)
-        self.ship_owners, self.ship_forced, self.ship_loaders = {}, {}, {}
+        update: dict[str, Any] = {"v": WIRE_VERSION}
+        if owners:
+            update["owners"] = owners
+            self.ship_owners = {}
+        if forced:
+            update["forced"] = forced
+            self.ship_forced = {}
+        if loaders:
+            update["loaders"] = loaders
+            self.ship_loaders = {}
         return update
 
     # -- one scheduler step -----------------------------------------------------------

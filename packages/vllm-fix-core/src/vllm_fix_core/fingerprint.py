@@ -5,9 +5,11 @@ from __future__ import annotations
 import ast
 import hashlib
 import inspect
+import linecache
 import textwrap
 import threading
 import time
+import types
 from typing import Any
 
 
@@ -43,12 +45,60 @@ def parse_source(source: str) -> ast.Module:
     raise AssertionError("unreachable")
 
 
-def function_ast(obj: Any) -> ast.FunctionDef | ast.AsyncFunctionDef:
-    """The AST of a function's source, docstrings stripped."""
-    source = textwrap.dedent(inspect.getsource(_unwrap(obj)))
-    node = parse_source(source).body[0]
+def _last_line(code: types.CodeType) -> int:
+    """The last source line any instruction of `code` (or of a function nested in it) spans."""
+    last = code.co_firstlineno
+    for _, end, _, _ in code.co_positions():
+        if end is not None and end > last:
+            last = end
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            last = max(last, _last_line(const))
+    return last
+
+
+def _quick_source(func: Any) -> str | None:
+    """The function's lines, cut from the file at the lines its code object spans: the same
+    text inspect.getsource finds (up to trailing comments), without tokenizing the file."""
+    code = getattr(func, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return None
+    lines = linecache.getlines(code.co_filename)
+    first, last = code.co_firstlineno, _last_line(code)
+    if not lines or not 1 <= first <= last <= len(lines):
+        return None
+    return "".join(lines[first - 1 : last])
+
+
+def _parse_function(func: Any) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    quick = _quick_source(func)
+    if quick is not None:
+        try:
+            node = parse_source(textwrap.dedent(quick)).body[0]
+        except (SyntaxError, IndexError):
+            node = None
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == func.__code__.co_name:
+            return node
+    # Anything the line table cannot cut cleanly: inspect's own reading.
+    node = parse_source(textwrap.dedent(inspect.getsource(func))).body[0]
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        raise TypeError(f"{obj!r} is not a function")
+        raise TypeError(f"{func!r} is not a function")
+    return node
+
+
+# code object id -> (the code object, kept alive so the id stays its own; the stripped AST).
+# Nothing mutates a returned AST; a function whose __code__ is swapped gets a new entry.
+_AST_CACHE: dict[int, tuple[types.CodeType, ast.FunctionDef | ast.AsyncFunctionDef]] = {}
+
+
+def function_ast(obj: Any) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    """The AST of a function's source, docstrings stripped (parsed once per code object)."""
+    func = _unwrap(obj)
+    code = getattr(func, "__code__", None)
+    cached = _AST_CACHE.get(id(code)) if isinstance(code, types.CodeType) else None
+    if cached is not None and cached[0] is code:
+        return cached[1]
+    node = _parse_function(func)
     for sub in ast.walk(node):
         body = getattr(sub, "body", None)
         if (
@@ -60,6 +110,8 @@ def function_ast(obj: Any) -> ast.FunctionDef | ast.AsyncFunctionDef:
             and isinstance(body[0].value.value, str)
         ):
             sub.body = body[1:] or [ast.Pass()]
+    if isinstance(code, types.CodeType):
+        _AST_CACHE[id(code)] = (code, node)
     return node
 
 

@@ -171,6 +171,22 @@ def page_aligned_kv_caches() -> dict[str, Any]:
     return {LAYER: tensor}
 
 
+def shut_down(worker: Any, timeout: float = 10.0) -> None:
+    """vLLM's own MoRIIOConnectorWorker.shutdown(), once the worker's listener thread has
+    started: vLLM assigns the thread before starting it from the initializing thread, and
+    Thread.join() raises on a thread that is not started yet (a test that leaves a rank's
+    start-up running, as the negative controls do, would otherwise fail in teardown)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            worker.shutdown()
+            return
+        except RuntimeError as exc:
+            if "before it is started" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class Startup:
     """register_kv_caches run by an initializing thread, as the worker runs it."""
 
