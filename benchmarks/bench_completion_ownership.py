@@ -173,9 +173,11 @@ def _add(sched: Any, k: int, max_tokens: int) -> None:
     sched.add_request(req)
 
 
-def _timed(method: Callable[..., Any], sink: list[int]) -> Callable[..., Any]:
+def _timed(
+    method: Callable[..., Any], sink: list[int], by_method: dict[str, int], name: str
+) -> Callable[..., Any]:
     """sink = [ns, depth]: only the outermost timed call counts (request_finished_all_groups
-    calls request_finished)."""
+    calls request_finished); by_method[name] gets the same time, per entry point."""
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         sink[1] += 1
@@ -185,22 +187,26 @@ def _timed(method: Callable[..., Any], sink: list[int]) -> Callable[..., Any]:
         finally:
             sink[1] -= 1
             if not sink[1]:
-                sink[0] += time.thread_time_ns() - start
+                spent = time.thread_time_ns() - start
+                sink[0] += spent
+                by_method[name] += spent
 
     return timed
 
 
-def step_run(fixed: bool, steps: int, warm: int, connector_time: bool) -> tuple[float, int]:
-    """CPU us per step (schedule + update_from_output, or the connector's share of it)."""
+def step_run(fixed: bool, steps: int, warm: int, connector_time: bool) -> tuple[float, int, dict[str, float]]:
+    """CPU us per step (schedule + update_from_output, or the connector's share of it, also
+    per entry point), and the number of requests held at the end."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     with patched() if fixed else nullcontext():
         sched = step_scheduler()
         sink = [0, 0]
+        by_method = dict.fromkeys(SCHEDULER_METHODS, 0)
         if connector_time:
             mc = sched.connector
             for name in SCHEDULER_METHODS:  # instance attributes: whatever is installed, timed
-                setattr(mc, name, _timed(getattr(mc, name), sink))
+                setattr(mc, name, _timed(getattr(mc, name), sink, by_method, name))
         k = 0
         for i in range(RUNNING):
             _add(sched, k, 2 + i)  # staggered: one request reaches max_tokens per step
@@ -208,21 +214,29 @@ def step_run(fixed: bool, steps: int, warm: int, connector_time: bool) -> tuple[
         gc.collect()
         gc.disable()  # as timeit does: a collection lands in whichever call allocates
         try:
-            total = _steps(sched, sink, k, steps, warm, KVConnectorOutput, ModelRunnerOutput)
+            total = _steps(sched, sink, by_method, k, steps, warm, KVConnectorOutput, ModelRunnerOutput)
         finally:
             gc.enable()
         per_step = (sink[0] if connector_time else total) / steps / 1000
-        return per_step, len(sched.requests)
+        return per_step, len(sched.requests), {m: ns / steps / 1000 for m, ns in by_method.items()}
 
 
 def _steps(
-    sched: Any, sink: list[int], k: int, steps: int, warm: int, kv_output: Any, runner_output_cls: Any
+    sched: Any,
+    sink: list[int],
+    by_method: dict[str, int],
+    k: int,
+    steps: int,
+    warm: int,
+    kv_output: Any,
+    runner_output_cls: Any,
 ) -> int:
     due: dict[int, set[str]] = {}
     total = 0
     for n in range(warm + steps):
         if n == warm:
             sink[0] = 0
+            by_method.update(dict.fromkeys(by_method, 0))
         t0 = time.thread_time_ns()
         output = sched.schedule()
         t1 = time.thread_time_ns()
@@ -245,10 +259,11 @@ def _steps(
     return total
 
 
-def step_level(steps: int, reps: int) -> dict[str, tuple[float, float, float]]:
+def step_level(steps: int, reps: int) -> tuple[dict[str, tuple[float, float, float]], dict[str, float]]:
     step_run(False, 20, 5, False)  # warm-up (first scheduler build inspects the model)
     step_run(True, 20, 5, False)
     out: dict[str, tuple[float, float, float]] = {}
+    added: dict[str, list[float]] = {m: [] for m in SCHEDULER_METHODS}
     for label, connector_time in (("step", False), ("connector", True)):
         times: dict[bool, list[float]] = {False: [], True: []}
         ratios: list[float] = []
@@ -256,8 +271,12 @@ def step_level(steps: int, reps: int) -> dict[str, tuple[float, float, float]]:
             order = (False, True) if rep % 2 == 0 else (True, False)
             got: dict[bool, float] = {}
             held: dict[bool, int] = {}
+            methods: dict[bool, dict[str, float]] = {}
             for fixed in order:
-                got[fixed], held[fixed] = step_run(fixed, steps, 50, connector_time)
+                got[fixed], held[fixed], methods[fixed] = step_run(fixed, steps, 50, connector_time)
+            if connector_time:
+                for m in SCHEDULER_METHODS:
+                    added[m].append(methods[True][m] - methods[False][m])
             if held[False] != held[True]:
                 raise SystemExit(f"different work: {held[False]} vs {held[True]} requests held at the end")
             ratios.append(got[True] / got[False])
@@ -268,7 +287,7 @@ def step_level(steps: int, reps: int) -> dict[str, tuple[float, float, float]]:
             statistics.median(times[True]),
             statistics.median(ratios),
         )
-    return out
+    return out, {m: statistics.median(v) for m, v in added.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  {m:24s} unpatched {a:7.2f} us/step  patched {b:7.2f} us/step  "
             f"added {b - a:+6.2f} us  ratio {r:.3f}"
         )
-    steps = step_level(args.step_steps, args.step_reps)
+    steps, per_method = step_level(args.step_steps, args.step_reps)
     print(
         f"step level: {args.step_reps} interleaved reps x {args.step_steps} steps, "
         f"{RUNNING} running requests, MultiConnector[MoRIIO, async saver]"
@@ -305,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  of which MultiConnector entry points     unpatched {a:8.2f} us/step  patched {b:8.2f} us/step  "
         f"added {b - a:+.2f} us/step (goal <= 3)"
+    )
+    print(
+        "    added per entry point (outermost call only): "
+        + ", ".join(f"{m} {v:+.2f} us" for m, v in per_method.items())
     )
     return 0
 

@@ -72,7 +72,9 @@ def sample(which: str, context: tuple[str, ...]) -> dict[str, object]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def median_ms(which: str, context: tuple[str, ...], samples: int, key: str | None) -> tuple[float, str, list[str]]:
+def median_ms(
+    which: str, context: tuple[str, ...], samples: int, key: str | None
+) -> tuple[float, str, list[str]]:
     rows = [sample(which, context) for _ in range(samples)]
     if key is None:
         values = [float(r["all_ms"]) for r in rows]  # type: ignore[arg-type]

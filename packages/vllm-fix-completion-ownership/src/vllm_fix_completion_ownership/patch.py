@@ -328,12 +328,16 @@ def _apply_view_edits(
 def _children_completed(ledger: SchedulerLedger, index: int, child: Any, returned: Any) -> None:
     ignored = ledger.complete_all(index, returned)
     if ignored:
-        _logger.debug(
-            "completion-ownership: child %d (%s) reported %s, which it does not own; ignored",
-            index,
-            type(child).__name__,
-            sorted(ignored),
-        )
+        _ignored(index, child, ignored)
+
+
+def _ignored(index: int, child: Any, ignored: list[str]) -> None:
+    _logger.debug(
+        "completion-ownership: child %d (%s) reported %s, which it does not own; ignored",
+        index,
+        type(child).__name__,
+        sorted(ignored),
+    )
 
 
 def _update_connector_output(self: Any, connector_output: Any) -> None:
@@ -344,30 +348,37 @@ def _update_connector_output(self: Any, connector_output: Any) -> None:
     multi_meta = connector_output.kv_connector_worker_meta
     if multi_meta is not None and not isinstance(multi_meta, _vllm["MultiKVConnectorWorkerMetadata"]):
         raise AssertionError(f"expected MultiKVConnectorWorkerMetadata, got {type(multi_meta).__name__}")
-    incoming = connector_output.finished_sending
-    if incoming:
-        ledger.note_workers_done(incoming)
     recv = connector_output.finished_recving
     failed = connector_output.failed_recving if _HAS_FAILED else None
     if recv or failed:
+        incoming = connector_output.finished_sending
+        if incoming:
+            ledger.note_workers_done(incoming)
         _update_routed(self, ledger, connector_output, multi_meta, recv, failed)
         return
     # No recv ids this step (nearly every step): each child sees only its own send ids.
-    offers = ledger.offers() if ledger.reported else None
+    views = ledger.step_views(connector_output.finished_sending)
     try:
         for index, child in enumerate(self._connectors):
             if multi_meta is not None:
                 connector_output.kv_connector_worker_meta = multi_meta.metadata[index]
-            connector_output.finished_sending = offers.get(index) if offers else None
+            connector_output.finished_sending = views.get(index) if views else None
             child.update_connector_output(connector_output)
             returned = connector_output.finished_sending
             if returned:
-                _children_completed(ledger, index, child, returned)
+                ignored = ledger.complete_all(index, returned)
+                if ignored:
+                    _ignored(index, child, ignored)
             if connector_output.finished_recving or (_HAS_FAILED and connector_output.failed_recving):
                 _own_recv_only(self, connector_output, index)
     finally:
         connector_output.kv_connector_worker_meta = multi_meta
-    connector_output.finished_sending = ledger.surface() if ledger.ready else None
+    ready = ledger.ready
+    if ready:
+        ledger.ready = []
+        connector_output.finished_sending = set(ready)
+    else:
+        connector_output.finished_sending = None
 
 
 def _own_recv_only(self: Any, output: Any, index: int) -> None:

@@ -164,6 +164,13 @@ class SchedulerLedger:
                 del entries[req_id]
                 self.ready.append(req_id)
 
+    def step_views(self, incoming: Iterable[str] | None) -> dict[int, set[str]] | None:
+        """One scheduler step: note the workers' reports and return the children's private
+        views, or None when no child has anything to see."""
+        if incoming:
+            self.note_workers_done(incoming)
+        return self.offers() if self.reported else None
+
     def offers(self) -> dict[int, set[str]]:
         """Per child, the ids for its private view: reported by every worker, owned by
         the child and not yet completed by it on the scheduler side."""
@@ -212,9 +219,26 @@ class SchedulerLedger:
             self.ready.remove(req_id)
 
     def complete_all(self, child: int, req_ids: Iterable[str]) -> list[str]:
-        """`complete` for each id; returns the ids `child` does not own."""
-        complete = self.complete
-        return [r for r in req_ids if not complete(child, r)]
+        """`complete` for each id (written out: this runs every step); returns the ids
+        `child` does not own."""
+        entries = self.entries
+        ignored: list[str] = []
+        for req_id in req_ids:
+            entry = entries.get(req_id)
+            if entry is None or child not in entry.owners:
+                ignored.append(req_id)
+                continue
+            remaining = entry.remaining
+            if child not in remaining:
+                continue
+            remaining.discard(child)
+            if not entry.workers_done:
+                self.ship_forced[req_id] = (*self.ship_forced.get(req_id, ()), child)
+            elif not remaining:
+                del entries[req_id]
+                del self.reported[req_id]
+                self.ready.append(req_id)
+        return ignored
 
     def surface(self) -> set[str]:
         """Requests to free now: every worker reported them, every owner completed."""

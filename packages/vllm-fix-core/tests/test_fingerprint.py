@@ -1,0 +1,160 @@
+"""Fingerprints read from the code object's line table equal those read by inspect.getsource,
+for every function of the installed vLLM's modules that the fixes patch, and for the shapes
+the line table cannot cut alone (a body ending in a bare `pass`, decorators, nested code)."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import inspect
+import textwrap
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_fix_core import fingerprint
+from vllm_fix_core.fingerprint import ast_fingerprint, function_ast
+
+PATCHED_MODULES = (
+    "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector",
+    "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector",
+    "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_engine",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.worker.gpu.kv_connector",
+    "vllm.v1.worker.gpu.model_runner",
+    "vllm.entrypoints.openai.chat_completion.serving",
+)
+
+
+GETSOURCE = inspect.getsource  # the reference reads the source with inspect itself
+
+
+def inspect_fingerprint(obj: Any) -> str:
+    """The fingerprint as inspect.getsource reads the function (the reference)."""
+    node = ast.parse(textwrap.dedent(GETSOURCE(obj))).body[0]
+    for sub in ast.walk(node):
+        body = getattr(sub, "body", None)
+        if (
+            isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            sub.body = body[1:] or [ast.Pass()]
+    dump = ast.dump(node, annotate_fields=True, include_attributes=False)
+    return hashlib.sha256(dump.encode()).hexdigest()[:16]
+
+
+def functions_of(module: types.ModuleType) -> Iterator[types.FunctionType]:
+    for obj in vars(module).values():
+        if isinstance(obj, type) and obj.__module__ == module.__name__:
+            for value in vars(obj).values():
+                func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+                func = func.fget if isinstance(func, property) else func
+                if isinstance(func, types.FunctionType):
+                    yield func
+        elif isinstance(obj, types.FunctionType) and obj.__module__ == module.__name__:
+            yield obj
+
+
+@pytest.mark.parametrize("name", PATCHED_MODULES)
+def test_same_fingerprint_as_inspect_for_vllms_patched_modules(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        pytest.skip(f"{name} is not part of this vLLM: {exc}")
+    fallbacks: list[str] = []
+
+    def counting_getsource(obj: Any) -> str:
+        fallbacks.append(obj.__qualname__)
+        return GETSOURCE(obj)
+
+    monkeypatch.setattr(fingerprint.inspect, "getsource", counting_getsource)
+    compared = 0
+    for func in functions_of(module):
+        try:
+            expected = inspect_fingerprint(func)
+        except OSError:  # generated code (a namedtuple's __new__): no source for either
+            continue
+        fingerprint._AST_CACHE.clear()
+        assert ast_fingerprint(func) == expected, func.__qualname__
+        compared += 1
+    assert compared >= 5, f"only {compared} functions with source in {name}"
+    # The line table is what is read, not inspect's tokenizer (which would hide a wrong cut).
+    assert not fallbacks, f"read by inspect instead of the line table: {fallbacks[:5]}"
+
+
+EDGE_CASES = '''
+import functools
+
+
+def trailing_pass(x):
+    if x:
+        return 1
+    else:
+        pass
+
+
+def trailing_comment(x):
+    return x
+    # a comment after the last statement
+
+
+@functools.lru_cache(maxsize=None)
+def decorated(x):
+    return (
+        x,
+        x,
+    )
+
+
+def nested(x):
+    def inner(y):
+        return [
+            y
+        ]
+
+    class Local:
+        def method(self):
+            """doc"""
+            while True:
+                break
+
+    return inner, Local
+
+
+class Holder:
+    def method(self, x):
+        """A docstring that spans
+        two lines."""
+        try:
+            return x
+        finally:
+            x = None
+'''
+
+
+def test_same_fingerprint_as_inspect_for_edge_shapes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "fp_edge_cases.py").write_text(EDGE_CASES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("fp_edge_cases")
+    funcs = [
+        module.trailing_pass,
+        module.trailing_comment,
+        module.decorated.__wrapped__,
+        module.nested,
+        module.Holder.method,
+    ]
+    for func in funcs:
+        fingerprint._AST_CACHE.clear()
+        assert ast_fingerprint(func) == inspect_fingerprint(func), func.__qualname__
+    # parsed once per code object: the second call returns the same tree
+    assert function_ast(module.nested) is function_ast(module.nested)
