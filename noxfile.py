@@ -409,6 +409,17 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, tags=["ci", "lane-a", "quality"])
+def tools(session: nox.Session) -> None:
+    """The repository's own tools' tests (what fails the upstream sessions, ...)."""
+    session.install("pytest")
+    report = REPORTS / "tools.xml"
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    session.run(
+        "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", str(ROOT / "tools" / "tests")
+    )
+
+
+@nox.session(python=PYTHON, tags=["ci", "lane-a", "quality"])
 def types(session: nox.Session) -> None:
     """mypy (strict) over every package's sources."""
     session.install("mypy", "wrapt", "packaging", "pytest", "hypothesis", "types-setuptools")

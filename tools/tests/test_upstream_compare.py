@@ -1,0 +1,69 @@
+"""tools/upstream.py compare: what fails the upstream sessions, full and focused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import upstream
+
+MODULE = "tests.v1.core.test_scheduler"
+
+
+def junit(path: Path, outcomes: dict[str, str]) -> Path:
+    cases = []
+    for name, outcome in outcomes.items():
+        inner = {"passed": "", "failed": "<failure message='x'/>", "skipped": "<skipped/>"}[outcome]
+        cases.append(f'<testcase classname="{MODULE}" name="{name}">{inner}</testcase>')
+    path.write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
+    return path
+
+
+def review(path: Path, tests: list[str]) -> Path:
+    entries = "".join(
+        f'[[difference]]\ntest = "test_scheduler::{t}"\nreleases = ["0.33.0"]\nfix = "f"\n'
+        f'reason = "r"\nshown_by = "s"\n\n'
+        for t in tests
+    )
+    path.write_text(entries)
+    return path
+
+
+def run(
+    tmp_path: Path, patched: dict[str, str], unpatched: dict[str, str], listed: list[str], focused: bool
+) -> int:
+    return upstream.compare(
+        "0.33.0",
+        junit(tmp_path / "patched.xml", patched),
+        junit(tmp_path / "unpatched.xml", unpatched),
+        review(tmp_path / "review.toml", listed),
+        focused,
+    )
+
+
+@pytest.mark.parametrize("focused", [False, True])
+def test_a_reviewed_difference_passes_and_an_unreviewed_one_fails(tmp_path: Path, focused: bool) -> None:
+    patched = {"a": "passed", "b": "failed"}
+    unpatched = {"b": "passed"} if focused else {"a": "passed", "b": "passed"}
+    assert run(tmp_path, patched, unpatched, ["b"], focused) == 0
+    assert run(tmp_path, patched, unpatched, [], focused) == 1
+
+
+def test_a_stale_review_entry_fails(tmp_path: Path) -> None:
+    assert run(tmp_path, {"a": "passed"}, {"a": "passed"}, ["a"], False) == 1
+
+
+def test_focused_fails_when_a_patched_failure_was_not_run_unpatched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # "b" failed with the fixes but the unpatched run has no result for it: blind, not clean.
+    assert run(tmp_path, {"a": "passed", "b": "failed"}, {}, [], True) == 1
+    assert "NOT COMPARED" in capsys.readouterr().out
+
+
+def test_focused_a_test_failing_both_ways_is_no_difference(tmp_path: Path) -> None:
+    assert run(tmp_path, {"a": "passed", "b": "failed"}, {"b": "failed"}, [], True) == 0
