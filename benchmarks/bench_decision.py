@@ -14,7 +14,9 @@ fix's, so each sample is a fresh interpreter that first imports (not measured):
 then times the ladder (``evaluate(fix, apply=True)``). The "cold" column imports only the
 trigger and targets: whatever else a probe needs is charged to the fix. Each fix's figure is
 its worst process kind. "All fixes in one process" runs every fix that decides in that kind of
-process, in turn, in one interpreter, plus the cold case of all eleven in one.
+process, in turn, in one interpreter, plus the cold case of all eleven in one. Run it where the
+packages' bytecode is compiled, as an install compiles it (an editable checkout under
+PYTHONDONTWRITEBYTECODE=1 compiles every fix module in every sample).
 
     python benchmarks/bench_decision.py [--samples 3]
 """
