@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from vllm_fix_core import fingerprint
-from vllm_fix_core.fingerprint import ast_fingerprint, function_ast
+from vllm_fix_core.fingerprint import ast_fingerprint, function_ast, strip_docstrings
 
 PATCHED_MODULES = (
     "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector",
@@ -34,20 +34,11 @@ GETSOURCE = inspect.getsource  # the reference reads the source with inspect its
 
 
 def inspect_fingerprint(obj: Any) -> str:
-    """The fingerprint as inspect.getsource reads the function (the reference)."""
+    """The fingerprint of the source as inspect.getsource reads it (the reference: only how the
+    source is found differs from ast_fingerprint)."""
     node = ast.parse(textwrap.dedent(GETSOURCE(obj))).body[0]
-    for sub in ast.walk(node):
-        body = getattr(sub, "body", None)
-        if (
-            isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            and isinstance(body, list)
-            and body
-            and isinstance(body[0], ast.Expr)
-            and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)
-        ):
-            sub.body = body[1:] or [ast.Pass()]
-    dump = ast.dump(node, annotate_fields=True, include_attributes=False)
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    dump = ast.dump(strip_docstrings(node), annotate_fields=True, include_attributes=False)
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
 
 

@@ -86,6 +86,22 @@ def _parse_function(func: Any) -> ast.FunctionDef | ast.AsyncFunctionDef:
     return node
 
 
+def strip_docstrings(node: ast.FunctionDef | ast.AsyncFunctionDef) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    """`node` without the docstrings of itself and of the functions and classes inside it."""
+    for sub in ast.walk(node):
+        body = getattr(sub, "body", None)
+        if (
+            isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            sub.body = body[1:] or [ast.Pass()]
+    return node
+
+
 # code object id -> (the code object, kept alive so the id stays its own; the stripped AST).
 # Nothing mutates a returned AST; a function whose __code__ is swapped gets a new entry.
 _AST_CACHE: dict[int, tuple[types.CodeType, ast.FunctionDef | ast.AsyncFunctionDef]] = {}
@@ -98,18 +114,7 @@ def function_ast(obj: Any) -> ast.FunctionDef | ast.AsyncFunctionDef:
     cached = _AST_CACHE.get(id(code)) if isinstance(code, types.CodeType) else None
     if cached is not None and cached[0] is code:
         return cached[1]
-    node = _parse_function(func)
-    for sub in ast.walk(node):
-        body = getattr(sub, "body", None)
-        if (
-            isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            and isinstance(body, list)
-            and body
-            and isinstance(body[0], ast.Expr)
-            and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)
-        ):
-            sub.body = body[1:] or [ast.Pass()]
+    node = strip_docstrings(_parse_function(func))
     if isinstance(code, types.CodeType):
         _AST_CACHE[id(code)] = (code, node)
     return node
