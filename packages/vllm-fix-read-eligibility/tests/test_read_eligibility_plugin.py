@@ -6,33 +6,20 @@ unimportable and unknown-shape processes change nothing; strict mode raises.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_fix_core import Rung
+from vllm_fix_testing.plugin_scenarios import run_scenarios
 
 SCENARIOS = ["lazy", "disabled", "moriio-unimportable", "unknown-shape", "unknown-shape-strict"]
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
-    script = Path(__file__).with_name("_plugin_scenarios.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), *SCENARIOS], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            data = json.loads(line)
-            out[data["scenario"]] = data
-    assert set(out) == set(SCENARIOS), proc.stdout[-2000:] + proc.stderr[-2000:]
-    return out
+    return run_scenarios(Path(__file__).with_name("_plugin_scenarios.py"), SCENARIOS, timeout=300)
 
 
 def test_applies_lazily_when_vllm_imports_moriio(results: dict[str, dict[str, Any]]) -> None:

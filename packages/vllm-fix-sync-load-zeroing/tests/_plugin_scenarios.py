@@ -7,14 +7,12 @@ vLLM process does, with only this package's entry point allowed (VLLM_PLUGINS).
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from typing import Any
 
 import vllm.plugins  # noqa: F401  (vLLM itself, imported before the fork)
 
-from vllm_fix_testing.plugin_scenarios import Capture, run_forked
+from vllm_fix_testing.plugin_scenarios import run_forked, scenarios
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 
@@ -28,34 +26,9 @@ def _state() -> dict[str, Any]:
     return {"imported": True, "layers": layers_of(mod.MoRIIOConnectorScheduler, "build_connector_meta")}
 
 
-def scenario(name: str) -> dict[str, Any]:
-    capture = Capture()
-    log = logging.getLogger("vllm.fixes")
-    log.addHandler(capture)
-    log.setLevel(logging.DEBUG)
-    os.environ["VLLM_PLUGINS"] = "vllm_fix_sync_load_zeroing"
-    result: dict[str, Any] = {"scenario": name}
-    from vllm.plugins import load_general_plugins
-
-    try:
-        if name == "lazy":
-            load_general_plugins()
-            result["before_import"] = _state()
-            result["lines_before_import"] = list(capture.lines)
-            __import__(MODULE)
-        elif name == "disabled":
-            os.environ["VLLM_FIXES_DISABLE"] = "sync-load-zeroing"
-            load_general_plugins()
-            __import__(MODULE)
-        else:
-            raise SystemExit(f"unknown scenario {name}")
-    except Exception as exc:
-        result["raised"] = f"{type(exc).__name__}: {exc}"
-    result["state"] = _state()
-    result["lines"] = [line for line in capture.lines if line not in result.get("lines_before_import", [])]
-    result["all_lines"] = capture.lines
-    return result
-
-
 if __name__ == "__main__":
-    run_forked(scenario)
+    run_forked(
+        scenarios(
+            plugin="vllm_fix_sync_load_zeroing", fix_id="sync-load-zeroing", trigger=MODULE, state=_state
+        )
+    )

@@ -4,9 +4,6 @@ at plugin load; the one decision line comes when vLLM imports MoRIIO: "affected 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +11,7 @@ import pytest
 from packaging.version import Version
 
 from vllm_fix_testing import vllm_version
+from vllm_fix_testing.plugin_scenarios import run_scenarios
 
 SCENARIOS = ["lazy", "disabled"]
 AFFECTED = vllm_version() < Version("0.32.0")
@@ -21,18 +19,7 @@ AFFECTED = vllm_version() < Version("0.32.0")
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
-    script = Path(__file__).with_name("_plugin_scenarios.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), *SCENARIOS], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            data = json.loads(line)
-            out[data["scenario"]] = data
-    assert set(out) == set(SCENARIOS), proc.stdout[-2000:] + proc.stderr[-2000:]
-    return out
+    return run_scenarios(Path(__file__).with_name("_plugin_scenarios.py"), SCENARIOS, timeout=300)
 
 
 def test_decides_lazily_when_vllm_imports_moriio(results: dict[str, dict[str, Any]]) -> None:
