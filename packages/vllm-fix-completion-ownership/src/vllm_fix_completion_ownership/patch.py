@@ -373,12 +373,7 @@ def _update_connector_output(self: Any, connector_output: Any) -> None:
                 _own_recv_only(self, connector_output, index)
     finally:
         connector_output.kv_connector_worker_meta = multi_meta
-    ready = ledger.ready
-    if ready:
-        ledger.ready = []
-        connector_output.finished_sending = set(ready)
-    else:
-        connector_output.finished_sending = None
+    connector_output.finished_sending = ledger.surface() if ledger.ready else None
 
 
 def _own_recv_only(self: Any, output: Any, index: int) -> None:
