@@ -96,14 +96,14 @@ def test_wire_version_is_checked() -> None:
 def test_ledger_surfaces_once_after_every_owner() -> None:
     ledger = SchedulerLedger()
     ledger.accept_partial_tail("r", 2)
-    assert ledger.record_finished("r", [0]) == (0, 2)
+    assert ledger.record_finished("r", 0b1) == (0, 2)
     first = ledger.take_update()
     assert first["owners"] == {"r": (0, 2)}
     assert ledger.complete(0, "r")  # e.g. a watchdog, before the workers reported
     assert not ledger.complete(1, "r")  # not an owner
     assert ledger.take_update()["forced"] == {"r": (0,)}
     ledger.note_workers_done({"r", "stray"})
-    assert ledger.offer(0) == set() and ledger.offer(2) == {"r"} and ledger.offer(1) == set()
+    assert ledger.view(0) is None and ledger.view(2) == {"r"} and ledger.view(1) is None
     assert ledger.surface() == set()  # 2 has not let it go yet
     ledger.complete(2, "r")
     assert ledger.surface() == {"r"}
@@ -115,7 +115,7 @@ def test_ledger_surfaces_once_after_every_owner() -> None:
 
 def test_ledger_release_on_recv_free() -> None:
     ledger = SchedulerLedger()
-    ledger.record_finished("r", [1])  # e.g. an aborted request whose load is in flight
+    ledger.record_finished("r", 0b10)  # e.g. an aborted request whose load is in flight
     ledger.take_update()
     ledger.release("r")  # vLLM frees it through finished_recving
     assert ledger.take_update()["forced"] == {"r": (1,)}
@@ -125,10 +125,45 @@ def test_ledger_release_on_recv_free() -> None:
 
 def test_ledger_empty_owner_set_is_not_tracked() -> None:
     ledger = SchedulerLedger()
-    ledger.record_finished("r", [])
+    ledger.record_finished("r", 0)
     assert ledger.take_update()["owners"] == {"r": ()}
     ledger.note_workers_done({"r"})
     assert ledger.surface() == set()
+    assert ledger.size() == 0
+
+
+def test_ledger_child_holding_back_in_place_keeps_its_id() -> None:
+    """A child that removes an id from its view in place and hands the same set back lets
+    only the rest go; the id it kept is surfaced when it lets it go later."""
+    ledger = SchedulerLedger(2)
+    for req_id in ("a", "b"):
+        ledger.record_finished(req_id, 0b11)
+    ledger.note_workers_done({"a", "b"})
+    view = ledger.view(0)
+    assert view == {"a", "b"}
+    view.discard("b")  # child 0 keeps b for now
+    assert ledger.let_go(0, view) is None
+    assert ledger.let_go(1, {"a", "b", "stray"}) == ["stray"]
+    assert ledger.surface() == {"a"}
+    assert ledger.view(0) == {"b"} and ledger.view(1) is None
+    ledger.let_go(0, {"b"})
+    assert ledger.surface() == {"b"}
+    ledger.take_update()
+    assert ledger.size() == 0
+
+
+def test_ledger_reused_id_starts_a_new_lifetime() -> None:
+    ledger = SchedulerLedger(2)
+    ledger.record_finished("r", 0b11)
+    ledger.note_workers_done({"r"})
+    ledger.let_go(0, {"r"})
+    ledger.record_finished("r", 0b10)  # the id comes back before child 1 let the first one go
+    assert ledger.surface() == set() and ledger.view(1) is None
+    ledger.note_workers_done({"r"})
+    assert ledger.view(0) is None and ledger.view(1) == {"r"}
+    ledger.let_go(1, {"r"})
+    assert ledger.surface() == {"r"}
+    ledger.take_update()
     assert ledger.size() == 0
 
 

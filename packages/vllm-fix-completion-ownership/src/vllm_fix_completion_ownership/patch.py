@@ -85,7 +85,7 @@ def ledger_of(connector: Any) -> SchedulerLedger:
     state = connector.__dict__
     ledger = state.get(LEDGER_ATTR)
     if ledger is None:
-        ledger = state[LEDGER_ATTR] = SchedulerLedger()
+        ledger = state[LEDGER_ATTR] = SchedulerLedger(len(connector._connectors))
     return ledger  # type: ignore[no-any-return]
 
 
@@ -157,14 +157,14 @@ def _aggregate_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwarg
     request = args[0] if args else kwargs["request"]
     per_connector_fn = args[1] if len(args) > 1 else kwargs["per_connector_fn"]
     children = instance._connectors
-    holders: list[int] = []
+    owners = [0]
 
     def recording(child: Any) -> Any:
         result = per_connector_fn(child)
         if result[0]:
             for index, candidate in enumerate(children):
                 if candidate is child:
-                    holders.append(index)
+                    owners[0] |= 1 << index
                     break
         return result
 
@@ -172,7 +172,7 @@ def _aggregate_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwarg
     ledger = instance.__dict__.get(LEDGER_ATTR)
     if ledger is None:
         ledger = ledger_of(instance)
-    ledger.record_finished(request.request_id, holders)
+    ledger.record_finished(request.request_id, owners[0])
     return outcome
 
 
@@ -180,12 +180,14 @@ def _aggregate_request_finished(self: Any, request: Any, per_connector_fn: Any) 
     """vLLM's body (0.25.1-0.33.0), plus the owner set: the children that said True."""
     async_saves = 0
     kv_txfer_params = None
-    holders: list[int] = []
-    for index, c in enumerate(self._connectors):
+    owners = 0  # a mask: child i is bit 1 << i
+    bit = 1
+    for c in self._connectors:
         async_save, txfer_params = per_connector_fn(c)
         if async_save:
             async_saves += 1
-            holders.append(index)
+            owners |= bit
+        bit <<= 1
         if txfer_params is not None:
             if kv_txfer_params is not None:
                 clashes = set(kv_txfer_params) & set(txfer_params)
@@ -200,7 +202,7 @@ def _aggregate_request_finished(self: Any, request: Any, per_connector_fn: Any) 
     ledger = self.__dict__.get(LEDGER_ATTR)
     if ledger is None:
         ledger = ledger_of(self)
-    ledger.record_finished(request.request_id, holders)
+    ledger.record_finished(request.request_id, owners)
     return async_saves > 0, kv_txfer_params
 
 
@@ -252,7 +254,7 @@ def _build_meta_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwar
         ledger = instance.__dict__.get(LEDGER_ATTR)
         # Every step carries an update (a shared empty one when there is nothing to ship):
         # that is how a worker knows the scheduler process runs the fix.
-        metadata.__dict__[META_ATTR] = ledger.take_update() if ledger is not None else EMPTY_UPDATE
+        setattr(metadata, META_ATTR, ledger.take_update() if ledger is not None else EMPTY_UPDATE)
     return metadata
 
 
@@ -265,7 +267,8 @@ def _build_connector_meta(self: Any, scheduler_output: Any) -> Any:
         metadata.extra_async_saves = self._extra_async_saves
         self._extra_async_saves = {}
     ledger = self.__dict__.get(LEDGER_ATTR)
-    metadata.__dict__[META_ATTR] = ledger.take_update() if ledger is not None else EMPTY_UPDATE
+    # = META_ATTR, as a plain attribute store (metadata.__dict__ would build the instance dict)
+    metadata.vllm_fix_completion_ownership = ledger.take_update() if ledger is not None else EMPTY_UPDATE
     return metadata
 
 
@@ -325,12 +328,6 @@ def _apply_view_edits(
             final.add(req_id)
 
 
-def _children_completed(ledger: SchedulerLedger, index: int, child: Any, returned: Any) -> None:
-    ignored = ledger.complete_all(index, returned)
-    if ignored:
-        _ignored(index, child, ignored)
-
-
 def _ignored(index: int, child: Any, ignored: list[str]) -> None:
     _logger.debug(
         "completion-ownership: child %d (%s) reported %s, which it does not own; ignored",
@@ -348,32 +345,35 @@ def _update_connector_output(self: Any, connector_output: Any) -> None:
     multi_meta = connector_output.kv_connector_worker_meta
     if multi_meta is not None and not isinstance(multi_meta, _vllm["MultiKVConnectorWorkerMetadata"]):
         raise AssertionError(f"expected MultiKVConnectorWorkerMetadata, got {type(multi_meta).__name__}")
+    incoming = connector_output.finished_sending
+    if incoming:
+        ledger.note_workers_done(incoming)
     recv = connector_output.finished_recving
     failed = connector_output.failed_recving if _HAS_FAILED else None
     if recv or failed:
-        incoming = connector_output.finished_sending
-        if incoming:
-            ledger.note_workers_done(incoming)
         _update_routed(self, ledger, connector_output, multi_meta, recv, failed)
         return
     # No recv ids this step (nearly every step): each child sees only its own send ids.
-    views = ledger.step_views(connector_output.finished_sending)
+    held = ledger.held
+    index = 0
     try:
-        for index, child in enumerate(self._connectors):
+        for child in self._connectors:
             if multi_meta is not None:
                 connector_output.kv_connector_worker_meta = multi_meta.metadata[index]
-            connector_output.finished_sending = views.get(index) if views else None
+            # A copy (= ledger.view(index), without the call): the child may edit it.
+            connector_output.finished_sending = set(held[index]) if held[index] else None
             child.update_connector_output(connector_output)
             returned = connector_output.finished_sending
             if returned:
-                ignored = ledger.complete_all(index, returned)
+                ignored = ledger.let_go(index, returned)
                 if ignored:
                     _ignored(index, child, ignored)
             if connector_output.finished_recving or (_HAS_FAILED and connector_output.failed_recving):
                 _own_recv_only(self, connector_output, index)
+            index += 1
     finally:
         connector_output.kv_connector_worker_meta = multi_meta
-    connector_output.finished_sending = ledger.surface() if ledger.ready else None
+    connector_output.finished_sending = ledger.surface() if ledger.done or ledger.ready else None
 
 
 def _own_recv_only(self: Any, output: Any, index: int) -> None:
@@ -391,7 +391,6 @@ def _update_routed(
     self: Any, ledger: SchedulerLedger, output: Any, multi_meta: Any, recv: Any, failed: Any
 ) -> None:
     """Recv ids this step: each child also sees only the recv ids it loads (or unknown)."""
-    offers = ledger.offers() if ledger.reported else None
     loaders: dict[str, int] = self._requests_to_connector
     final_recv: set[str] = set(recv) if recv else set()
     final_failed: set[str] = set(failed) if failed else set()
@@ -399,7 +398,7 @@ def _update_routed(
         for index, child in enumerate(self._connectors):
             if multi_meta is not None:
                 output.kv_connector_worker_meta = multi_meta.metadata[index]
-            output.finished_sending = offers.get(index) if offers else None
+            output.finished_sending = ledger.view(index)
             view_recv = _view(recv, loaders, index)
             output.finished_recving = view_recv or None
             if _HAS_FAILED:
@@ -408,7 +407,9 @@ def _update_routed(
             child.update_connector_output(output)
             returned = output.finished_sending
             if returned:
-                _children_completed(ledger, index, child, returned)
+                ignored = ledger.let_go(index, returned)
+                if ignored:
+                    _ignored(index, child, ignored)
             _apply_view_edits(final_recv, view_recv, output.finished_recving, loaders, index)
             if _HAS_FAILED:
                 _apply_view_edits(final_failed, view_failed, output.failed_recving, loaders, index)
@@ -424,7 +425,7 @@ def _update_routed(
                 # vLLM frees a finished request through its recv path: it must not come
                 # back through finished_sending (that would be a second free).
                 ledger.release(req_id)
-    output.finished_sending = ledger.surface() if ledger.ready else None
+    output.finished_sending = ledger.surface() if ledger.done or ledger.ready else None
 
 
 # ---------------------------------------------------------------------------- worker side

@@ -70,37 +70,52 @@ def decode_update(
     return update.get("owners", _NOTHING), update.get("forced", _NOTHING), update.get("loaders", _NOTHING)
 
 
-class _Entry:
-    """One finished request whose blocks are held: its owners and who is still pending."""
+_CHILDREN: dict[int, tuple[int, ...]] = {}
 
-    __slots__ = ("owners", "remaining", "workers_done")
 
-    def __init__(self, owners: tuple[int, ...]) -> None:
-        self.owners = owners
-        self.remaining = set(owners)  # owners that have not completed on the scheduler side
-        self.workers_done = False  # every worker reported it (all owners completed there)
+def children_of(mask: int) -> tuple[int, ...]:
+    """The child indexes in an owner mask (child i is bit ``1 << i``), ascending."""
+    children = _CHILDREN.get(mask)
+    if children is None:  # first sight of this owner set
+        children = tuple(child for child in range(mask.bit_length()) if mask >> child & 1)
+        if len(_CHILDREN) < 4096:  # masks of a few children: a handful of entries
+            _CHILDREN[mask] = children
+    return children
 
 
 class SchedulerLedger:
-    """Scheduler-side owner sets, completions and the per-step update for workers."""
+    """Scheduler-side owner sets, completions and the per-step update for workers.
+
+    This runs in every scheduler step, so it is laid out for the step: owner sets are int
+    bit masks (child i is bit ``1 << i``), and what each child still holds back is a set per
+    child, so that a child's private view is a copy of its set and a child letting its whole
+    view go is one set operation. Every tracked request is in ``entries`` and either in
+    ``waiting`` (some worker has not reported it yet) or in the ``held`` set of each owner
+    that has not let it go on the scheduler side."""
 
     __slots__ = (
+        "done",
         "dropped_reports",
         "entries",
+        "held",
         "partial",
         "ready",
-        "reported",
         "ship_forced",
         "ship_loaders",
         "ship_owners",
+        "waiting",
     )
 
-    def __init__(self) -> None:
-        # R -> entry, for every finished R whose blocks are held and not yet surfaced.
-        self.entries: dict[str, _Entry] = {}
-        # The entries every worker reported that some owner still holds back.
-        self.reported: dict[str, _Entry] = {}
-        self.ready: list[str] = []  # to surface at the end of this step
+    def __init__(self, children: int = 0) -> None:
+        # R -> O(R) as a mask, for every finished R whose blocks are held and not yet surfaced.
+        self.entries: dict[str, int] = {}
+        # R -> the owners that have not completed R on the scheduler side (may be 0), until
+        # every worker reported R.
+        self.waiting: dict[str, int] = {}
+        # Per child: the ids every worker reported that the child owns and still holds back.
+        self.held: list[set[str]] = [set() for _ in range(children)]
+        self.done: set[str] = set()  # let go by some owner this step (surfaced if by the last)
+        self.ready: list[str] = []  # surfaced at the end of this step
         # R -> children that accepted register_finished_partial_tail (before request_finished).
         self.partial: dict[str, set[int]] = {}
         self.ship_owners: dict[str, tuple[int, ...]] = {}
@@ -112,21 +127,25 @@ class SchedulerLedger:
     def accept_partial_tail(self, req_id: str, child: int) -> None:
         self.partial.setdefault(req_id, set()).add(child)
 
-    def record_finished(self, req_id: str, holders: list[int]) -> tuple[int, ...]:
-        """R finished; `holders` are the children that asked to keep its blocks, in child
-        order (each child is asked once, in order). Returns O(R), ascending."""
-        owners = tuple(holders)
+    def record_finished(self, req_id: str, owners: int) -> tuple[int, ...]:
+        """R finished; `owners` is the mask of the children that asked to keep its blocks
+        (child i is bit ``1 << i``). Returns O(R), ascending."""
         if self.partial:
             partial = self.partial.pop(req_id, None)
             if partial:
-                owners = tuple(sorted(partial.union(owners)))
-        self.ship_owners[req_id] = owners
+                for child in partial:
+                    owners |= 1 << child
+        listed = children_of(owners)
+        self.ship_owners[req_id] = listed
+        entries = self.entries
+        if req_id in entries:  # a reused id: its earlier lifetime is over
+            self._forget(req_id)
         if owners:
-            self.entries[req_id] = _Entry(owners)
-        else:
-            self.entries.pop(req_id, None)
-            self.reported.pop(req_id, None)
-        return owners
+            entries[req_id] = self.waiting[req_id] = owners
+            held = self.held
+            while owners >> len(held):
+                held.append(set())
+        return listed
 
     def record_loader(self, req_id: str, child: int) -> None:
         self.ship_loaders[req_id] = child
@@ -151,108 +170,110 @@ class SchedulerLedger:
 
     # -- one scheduler step -----------------------------------------------------------
     def note_workers_done(self, req_ids: Iterable[str]) -> None:
-        entries = self.entries
+        waiting = self.waiting
+        held = self.held
         for req_id in req_ids:
-            entry = entries.get(req_id)
-            if entry is None or entry.workers_done:
+            remaining = waiting.pop(req_id, None)
+            if remaining is None:  # untracked, or already reported
                 self.dropped_reports += 1
-                continue
-            entry.workers_done = True
-            if entry.remaining:
-                self.reported[req_id] = entry
+            elif remaining:
+                for child in children_of(remaining):
+                    held[child].add(req_id)
             else:  # every owner already completed on the scheduler side (watchdogs)
-                del entries[req_id]
+                del self.entries[req_id]
                 self.ready.append(req_id)
 
-    def step_views(self, incoming: Iterable[str] | None) -> dict[int, set[str]] | None:
-        """One scheduler step: note the workers' reports and return the children's private
-        views, or None when no child has anything to see."""
-        if incoming:
-            self.note_workers_done(incoming)
-        return self.offers() if self.reported else None
+    def view(self, child: int) -> set[str] | None:
+        """A private copy of what `child` may see in this step's output (None: nothing):
+        every worker reported it, the child owns it and has not let it go."""
+        held = self.held
+        mine = held[child] if child < len(held) else None
+        return set(mine) if mine else None
 
-    def offers(self) -> dict[int, set[str]]:
-        """Per child, the ids for its private view: reported by every worker, owned by
-        the child and not yet completed by it on the scheduler side."""
-        out: dict[int, set[str]] = {}
-        for req_id, entry in self.reported.items():
-            for child in entry.remaining:
-                view = out.get(child)
-                if view is None:
-                    out[child] = {req_id}
-                else:
-                    view.add(req_id)
-        return out
-
-    def offer(self, child: int) -> set[str]:
-        return self.offers().get(child, set())
+    def let_go(self, child: int, returned: set[str]) -> list[str] | None:
+        """`child` handed back `returned` (non-empty) from its view: it lets those ids go.
+        Returns the ids it does not own (None when there are none)."""
+        held = self.held
+        mine = held[child] if child < len(held) else None
+        # The usual case: exactly what it holds (its view was a copy of it, taken just before).
+        if mine and returned == mine:
+            self.done |= mine
+            mine.clear()
+            return None
+        return self.complete_all(child, returned) or None
 
     def complete(self, child: int, req_id: str) -> bool:
         """`child` lets R go (scheduler side). False if it does not own R."""
-        entry = self.entries.get(req_id)
-        if entry is None or child not in entry.owners:
-            return False
-        remaining = entry.remaining
-        if child not in remaining:
-            return True
-        remaining.discard(child)
-        if not entry.workers_done:
-            # A scheduler-side completion (e.g. a watchdog): the workers' gates must
-            # count it too, or they would wait for a report that never comes.
-            self.ship_forced[req_id] = (*self.ship_forced.get(req_id, ()), child)
-        elif not remaining:
-            del self.entries[req_id]
-            del self.reported[req_id]
-            self.ready.append(req_id)
-        return True
+        return not self.complete_all(child, (req_id,))
+
+    def complete_all(self, child: int, req_ids: Iterable[str]) -> list[str]:
+        """`child` lets each of `req_ids` go (scheduler side); returns the ids it does not own."""
+        entries = self.entries
+        mine = self.held[child] if child < len(self.held) else set()
+        bit = 1 << child
+        ignored: list[str] = []
+        for req_id in req_ids:
+            owners = entries.get(req_id)
+            if owners is None or not owners & bit:
+                ignored.append(req_id)
+            elif req_id in mine:
+                mine.discard(req_id)
+                self.done.add(req_id)
+            else:
+                remaining = self.waiting.get(req_id)
+                if remaining is not None and remaining & bit:
+                    # A scheduler-side completion (e.g. a watchdog) before every worker
+                    # reported: the workers' gates must count it too, or they would wait for
+                    # a report that never comes.
+                    self.waiting[req_id] = remaining ^ bit
+                    self.ship_forced[req_id] = (*self.ship_forced.get(req_id, ()), child)
+        return ignored
 
     def release(self, req_id: str) -> None:
         """vLLM frees R through its finished_recving path (a finished request whose load
         completed): stop tracking R, and let the workers' gates settle it too."""
-        entry = self.entries.pop(req_id, None)
-        if entry is None:
-            return
-        self.reported.pop(req_id, None)
-        if entry.remaining:
-            self.ship_forced[req_id] = (*self.ship_forced.get(req_id, ()), *sorted(entry.remaining))
-        if req_id in self.ready:
-            self.ready.remove(req_id)
+        remaining = self._forget(req_id)
+        if remaining:
+            self.ship_forced[req_id] = (*self.ship_forced.get(req_id, ()), *children_of(remaining))
 
-    def complete_all(self, child: int, req_ids: Iterable[str]) -> list[str]:
-        """`complete` for each id (written out: this runs every step); returns the ids
-        `child` does not own."""
-        entries = self.entries
-        ignored: list[str] = []
-        for req_id in req_ids:
-            entry = entries.get(req_id)
-            if entry is None or child not in entry.owners:
-                ignored.append(req_id)
-                continue
-            remaining = entry.remaining
-            if child not in remaining:
-                continue
-            remaining.discard(child)
-            if not entry.workers_done:
-                self.ship_forced[req_id] = (*self.ship_forced.get(req_id, ()), child)
-            elif not remaining:
-                del entries[req_id]
-                del self.reported[req_id]
-                self.ready.append(req_id)
-        return ignored
+    def _forget(self, req_id: str) -> int:
+        """Stop tracking R; returns the owners that had not let it go (a mask)."""
+        if self.entries.pop(req_id, None) is None:
+            return 0
+        remaining = self.waiting.pop(req_id, None)
+        if remaining is None:
+            remaining = 0
+            for child, mine in enumerate(self.held):
+                if req_id in mine:
+                    mine.discard(req_id)
+                    remaining |= 1 << child
+        self.done.discard(req_id)
+        return remaining
 
     def surface(self) -> set[str]:
-        """Requests to free now: every worker reported them, every owner completed."""
-        if not self.ready:
-            return set()
-        ready = set(self.ready)
-        self.ready = []
-        return ready
+        """Requests to free now: every worker reported them, every owner let them go."""
+        done = self.done
+        if not done:
+            ready = set(self.ready)
+            self.ready = []
+            return ready
+        self.done = set()
+        entries = self.entries
+        freed = done.difference(*self.held)  # let go by their last owner
+        for req_id in freed:
+            del entries[req_id]
+        if self.ready:
+            freed.update(self.ready)
+            self.ready = []
+        return freed
 
     def size(self) -> int:
         """Entries held (bounded-growth checks)."""
         return (
             len(self.entries)
-            + len(self.reported)
+            + len(self.waiting)
+            + sum(map(len, self.held))
+            + len(self.done)
             + len(self.ready)
             + len(self.partial)
             + len(self.ship_owners)
