@@ -51,6 +51,12 @@ def _covered(layout_name: str, spec: Any, skipped_layers: frozenset[int]) -> boo
     except Exception as exc:  # fail safe: keep zeroing
         _logger.debug("coverage of %s not computable (%r): keeping zeroing", layout_name, exc)
         return False
+    return contained(zero, reads)
+
+
+def contained(zero: dict[int, list[tuple[int, int]]], reads: dict[int, list[tuple[int, int]]]) -> bool:
+    """Covered, from byte_ranges(): the zeroer zeroes something, and for every block every
+    zeroed byte lies inside the READ's bytes."""
     return bool(zero) and all(_inside(zero[b], reads[b]) for b in zero)
 
 

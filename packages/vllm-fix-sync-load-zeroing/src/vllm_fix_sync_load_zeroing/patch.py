@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any
 
@@ -106,6 +107,12 @@ def _fork_wrapper(read_mode: Any) -> Any:
 
 def apply(patch: PatchSet, shape: str) -> None:
     mc = _module()
+    # The patched method computes the layout coverage for the engine's real attention spec on
+    # its first step with pending READs, and that computation asks vLLM's KVBlockZeroer, in
+    # vllm.v1.worker.utils: importing that module (vLLM's attention, linear and Mamba layers,
+    # ~100 ms) would stall the first serving step. The probe may not have imported it (its
+    # coverage facts can come from the memo), so import it here, while the engine core starts.
+    importlib.import_module("vllm.v1.worker.utils")
     if shape == FORK_API:
         patch.wrap(mc.MoRIIOConnector, "get_sync_load_block_ids", _fork_wrapper(mc.MoRIIOMode.READ))
     else:

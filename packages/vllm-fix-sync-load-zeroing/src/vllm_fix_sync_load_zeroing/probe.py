@@ -6,22 +6,30 @@ Calls the installed MoRIIO entry point the exclusion lives in: the connector's
 tests build one (``__new__`` plus the attributes it reads). Each case of the decision table is
 run under every KV-cache layout vLLM accepts for a hybrid model, and compared with the rule,
 whose layout condition is computed from vLLM's own view builder, zeroer and READ offsets.
+
+Those coverage facts (the oracle's input, not vLLM's behaviour under test) come from a
+persistent memo where vLLM's worker utilities are not loaded yet (see
+:mod:`vllm_fix_sync_load_zeroing.memo`): computing them imports ``vllm.v1.worker.utils``, about
+100 ms a multi-process engine core would otherwise never spend. The probe cases themselves
+always run live.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 from vllm_fix_core import Check, NotApplicable, ProbeReport
-from vllm_fix_sync_load_zeroing.coverage import byte_ranges, hybrid_layouts
+from vllm_fix_sync_load_zeroing.memo import WORKER_UTILS, CoverageFacts, coverage_facts
 from vllm_fix_sync_load_zeroing.rule import Situation, excluded_blocks, filter_zeroing
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 ZERO = (7, 8, 9, 90)
 ATTENTION_READ = {"attn-import": ((7, 8), (90,))}  # block 9 is the locally recomputed tail
+NO_ZEROER = "this vLLM has no KV-cache zeroing (KVBlockZeroer)"
 PARAMS = {
     "remote_engine_id": "prefill-0",
     "remote_host": "127.0.0.1",
@@ -54,6 +62,24 @@ CASES = (
 
 def require_feature() -> Any:
     """The moriio_connector module, or NotApplicable where the bug cannot happen."""
+    mc = _hybrid_moriio_with_zeroing_list()
+    loaded = sys.modules.get(WORKER_UTILS)
+    zeroer = hasattr(loaded, "KVBlockZeroer") if loaded is not None else coverage_facts(attention_spec).zeroer
+    if not zeroer:
+        raise NotApplicable(NO_ZEROER)
+    return mc
+
+
+def _require_feature() -> tuple[Any, CoverageFacts]:
+    """require_feature() and the coverage facts (from the memo where it is valid)."""
+    mc = _hybrid_moriio_with_zeroing_list()
+    facts = coverage_facts(attention_spec)
+    if not facts.zeroer:
+        raise NotApplicable(NO_ZEROER)
+    return mc, facts
+
+
+def _hybrid_moriio_with_zeroing_list() -> Any:
     import importlib
 
     # Cheapest first: the MoRIIO module is already imported when the ladder runs.
@@ -65,9 +91,6 @@ def require_feature() -> Any:
     fields = getattr(output.SchedulerOutput, "__dataclass_fields__", {})
     if "new_block_ids_to_zero" not in fields:
         raise NotApplicable("this vLLM has no KV-cache zeroing (SchedulerOutput.new_block_ids_to_zero)")
-    worker_utils = importlib.import_module("vllm.v1.worker.utils")
-    if not hasattr(worker_utils, "KVBlockZeroer"):
-        raise NotApplicable("this vLLM has no KV-cache zeroing (KVBlockZeroer)")
     return mc
 
 
@@ -119,17 +142,27 @@ def step_output(zero: tuple[int, ...] = ZERO) -> Any:
     )
 
 
-def expected_zeroing(case: Case, layout: str, sched: Any, zero: tuple[int, ...] = ZERO) -> list[int]:
+def expected_zeroing(
+    case: Case, layout: str, sched: Any, zero: tuple[int, ...] = ZERO, covered: bool | None = None
+) -> list[int]:
+    """What the rule leaves; `covered`: the layout's coverage for the probe's spec where known."""
     situation = Situation(
-        case.read, case.consumer, case.hybrid, layout, sched.kv_cache_config.transfer_groups[0].kv_cache_spec
+        case.read,
+        case.consumer,
+        case.hybrid,
+        layout,
+        sched.kv_cache_config.transfer_groups[0].kv_cache_spec,
+        covered,
     )
     return filter_zeroing(zero, excluded_blocks(situation, sched._reqs_need_recv))
 
 
-def observed_zeroing_meta(mc: Any, case: Case, layout: str) -> tuple[list[int], list[int], list[str]]:
+def observed_zeroing_meta(
+    mc: Any, case: Case, layout: str, covered: bool | None = None
+) -> tuple[list[int], list[int], list[str]]:
     """(zeroing list after build_connector_meta, what the rule leaves, READs in the metadata)."""
     sched = scheduler(mc, case, layout)
-    expected = expected_zeroing(case, layout, sched)
+    expected = expected_zeroing(case, layout, sched, covered=covered)
     out = step_output()
     meta = sched.build_connector_meta(out)
     reads = sorted(getattr(meta, "reqs_to_recv", {}) or {})
@@ -155,9 +188,11 @@ def fork_connector(mc: Any, case: Case, layout: str) -> Any:
     return connector
 
 
-def observed_zeroing_fork(mc: Any, case: Case, layout: str) -> tuple[list[int], list[int]]:
+def observed_zeroing_fork(
+    mc: Any, case: Case, layout: str, covered: bool | None = None
+) -> tuple[list[int], list[int]]:
     connector = fork_connector(mc, case, layout)
-    expected = expected_zeroing(case, layout, connector.connector_scheduler)
+    expected = expected_zeroing(case, layout, connector.connector_scheduler, covered=covered)
     skipped = set(connector.get_sync_load_block_ids())
     return [b for b in ZERO if b not in skipped], expected
 
@@ -173,28 +208,27 @@ def cases(layouts: tuple[str, ...]) -> Iterator[tuple[Case, str]]:
 
 
 def probe() -> ProbeReport:
-    mc = require_feature()
-    layouts = hybrid_layouts()
+    mc, facts = _require_feature()
+    layouts = facts.layouts
     if not layouts:
         raise RuntimeError("vLLM accepts no KV-cache layout for a hybrid model here")
     for layout in layouts:
         # The rule cannot be judged where the coverage cannot be computed (the zeroer's segment
         # table changed, say): "cannot check", rather than undoing vLLM's own exclusion.
-        try:
-            byte_ranges(layout, attention_spec())
-        except Exception as exc:
+        if layout in facts.errors:
             raise RuntimeError(
-                f"cannot compute what zeroing and a READ touch under {layout}: {exc!r}"
-            ) from exc
+                f"cannot compute what zeroing and a READ touch under {layout}: {facts.errors[layout]}"
+            )
     races: list[str] = []
     over: list[str] = []
     lost_reads: list[str] = []
     fork = has_fork_api(mc)
     for case, layout in cases(layouts):
+        covered = facts.covered[layout]
         if fork:
-            got, want = observed_zeroing_fork(mc, case, layout)
+            got, want = observed_zeroing_fork(mc, case, layout, covered)
         else:
-            got, want, reads = observed_zeroing_meta(mc, case, layout)
+            got, want, reads = observed_zeroing_meta(mc, case, layout, covered)
             if sorted(reads) != sorted(f"probe-{i}" for i in range(len(case.pending))):
                 lost_reads.append(f"{case.name}/{layout}: metadata carries {reads}")
         if [b for b in got if b not in want]:

@@ -34,6 +34,9 @@ class Situation:
     hybrid: bool
     layout: Any  # the resolved KV-cache layout name
     spec: Any  # the attention group's KVCacheSpec
+    # Condition 4 when the caller already knows it (the probe's oracle passes the memoized
+    # coverage fact for its own spec); None: computed from vLLM for `layout` and `spec`.
+    covered: bool | None = None
 
     @property
     def may_exclude(self) -> bool:
@@ -42,7 +45,11 @@ class Situation:
             self.read is True
             and self.consumer is True
             and self.hybrid is True
-            and read_rewrites_zeroed_bytes(self.layout, self.spec)
+            and (
+                read_rewrites_zeroed_bytes(self.layout, self.spec)
+                if self.covered is None
+                else self.covered is True
+            )
         )
 
 
