@@ -11,11 +11,24 @@ run one after the other in the order given, all on the coverage memo under $VLLM
 * ``other-vllm-version``: the memo rewritten as if another vLLM version had written it (and with
   facts that would mislead: no zeroer), then decide;
 * ``unwritable``: VLLM_CACHE_ROOT under a regular file (no directory can be made), then decide.
+
+Scenarios named ``worker-*`` and ``engine-after-worker-*`` use their own memo, under
+``$VLLM_CACHE_ROOT/workers`` (empty until the first of them), as an engine core and its workers
+share one: a ``worker-*`` child first imports ``vllm.v1.worker.utils``, as vLLM's GPU model
+runner does in a worker before the worker imports MoRIIO (``init_device``), then decides there;
+an ``engine-after-worker-*`` child is an engine core deciding after its workers started:
+
+* ``worker-decide``: decide in a worker;
+* ``engine-after-worker-probe`` / ``-decide``: the probe alone / the ladder, in an engine core;
+* ``worker-valid-memo``: decide in a worker where the memo is valid;
+* ``worker-other-facts``: the memo's facts edited by hand (one layout's coverage flipped, the
+  stamp and recorded files left valid), then decide in a worker.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -34,6 +47,13 @@ WORKER_UTILS = "vllm.v1.worker.utils"
 def _digest(path: Path) -> str | None:
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
     except OSError:
         return None
 
@@ -59,6 +79,11 @@ def scenario(name: str) -> dict[str, Any]:
         blocker = Path(os.environ["VLLM_CACHE_ROOT"]) / "not-a-directory"
         blocker.write_text("a file where the cache root would be\n")
         os.environ["VLLM_CACHE_ROOT"] = str(blocker / "cache")
+    if name.startswith(("worker-", "engine-after-worker-")):
+        os.environ["VLLM_CACHE_ROOT"] = str(Path(os.environ["VLLM_CACHE_ROOT"]) / "workers")
+    if name.startswith("worker-"):
+        importlib.import_module(WORKER_UTILS)  # what a worker has loaded when it imports MoRIIO
+    result["worker_utils_at_decision"] = WORKER_UTILS in sys.modules
     path = memo.memo_path()
     result["memo_path"] = str(path)
     if name == "corrupt-memo":
@@ -68,7 +93,14 @@ def scenario(name: str) -> dict[str, Any]:
         data["stamp"]["vllm_version"] = "0.0.1"
         data["facts"] = {"zeroer": False, "layouts": [], "covered": {}, "errors": {}}
         path.write_text(json.dumps(data))
+    elif name == "worker-other-facts":
+        data = json.loads(path.read_bytes())
+        layout = sorted(data["facts"]["covered"])[0]
+        data["facts"]["covered"][layout] = not data["facts"]["covered"][layout]
+        path.write_text(json.dumps(data))
+        result["edited_facts"] = data["facts"]
     result["memo_before"] = _digest(path)
+    result["memo_mtime_before"] = _mtime_ns(path)
     if name.endswith("-probe"):
         report = probe()
         result["checks"] = [[c.name, c.affected, c.guard] for c in report.checks]
@@ -78,6 +110,7 @@ def scenario(name: str) -> dict[str, Any]:
         result["message"] = decision.message
     result["worker_utils_after"] = WORKER_UTILS in sys.modules
     result["memo_after"] = _digest(path)
+    result["memo_mtime_after"] = _mtime_ns(path)
     result["memo_facts"] = _memo_facts(path)
     result["lines"] = capture.lines
     return result

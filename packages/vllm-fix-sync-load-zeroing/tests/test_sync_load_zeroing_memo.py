@@ -2,7 +2,9 @@
 gives; a fresh engine-core process with the memo decides the same without importing
 vllm.v1.worker.utils; a changed recorded file, another vLLM (or torch, Python, this package, the
 layout environment) invalidates it; a corrupt memo or an unwritable cache root costs the live
-computation and one DEBUG line, never an exception."""
+computation and one DEBUG line, never an exception. A process with vllm.v1.worker.utils loaded
+(a worker) computes live and refreshes the memo, so the engine core deciding after its workers
+finds it valid."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,12 @@ SCENARIOS = [
     "corrupt-memo",
     "other-vllm-version",
     "unwritable",
+    # on a memo of their own (under VLLM_CACHE_ROOT/workers), as an engine core and its workers
+    "worker-decide",
+    "engine-after-worker-probe",
+    "engine-after-worker-decide",
+    "worker-valid-memo",
+    "worker-other-facts",
 ]
 
 
@@ -48,6 +57,7 @@ def runs(_module_cache_root: Path) -> dict[str, dict[str, Any]]:
     for name, result in results.items():
         assert "crashed" not in result, (name, result)
         assert result["worker_utils_before"] is False, name
+        assert result["worker_utils_at_decision"] is name.startswith("worker-"), name
     return results
 
 
@@ -61,6 +71,16 @@ def memo_lines() -> Iterator[list[tuple[str, str]]]:
     yield capture.lines
     log.setLevel(level)
     log.removeHandler(capture)
+
+
+@pytest.fixture
+def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a process that has not refreshed the memo yet (refresh_memo tries once per process)."""
+    monkeypatch.setattr(memo, "_refreshed", set())
+
+
+def memo_lines_of(r: dict[str, Any]) -> list[list[str]]:
+    return [line for line in r["lines"] if "coverage memo" in line[1]]
 
 
 def live_facts() -> CoverageFacts:
@@ -319,8 +339,203 @@ def test_no_cache_root_at_all(monkeypatch: pytest.MonkeyPatch, memo_lines: list[
     assert len(memo_lines) == 1 and "no memo key" in memo_lines[0][1]
 
 
-def test_loaded_worker_utils_means_live_facts_and_no_memo(cache_root: Path) -> None:
+# ---- (5) a worker refreshes the memo; its engine core, deciding after it, reads it -------------
+
+
+def test_worker_decision_writes_the_memo(runs: dict[str, dict[str, Any]], _module_cache_root: Path) -> None:
+    r = runs["worker-decide"]
+    assert r["rung"] == RUNG, r["message"]
+    assert Path(r["memo_path"]).parent == _module_cache_root / "workers" / "vllm-fixes" / "sync-load-zeroing"
+    assert r["memo_before"] is None and r["memo_after"] is not None
+    assert r["memo_facts"] == live_facts().to_json()  # exactly the live facts
+    assert memo_lines_of(r) == []  # a plain miss is quiet
+    data = json.loads(Path(r["memo_path"]).read_bytes())
+    assert data["stamp"] == memo.current_stamp()
+    assert importlib.import_module(memo.WORKER_UTILS).__file__ in {entry[0] for entry in data["files"]}
+
+
+def test_engine_core_after_its_workers_reads_their_memo(runs: dict[str, dict[str, Any]]) -> None:
+    written = runs["worker-decide"]["memo_after"]
+    r = runs["engine-after-worker-probe"]
+    assert r["worker_utils_after"] is False  # answered from the workers' memo
+    assert r["memo_before"] == r["memo_after"] == written
+    assert r["checks"] == live_probe_checks()
+    r = runs["engine-after-worker-decide"]
+    assert r["rung"] == runs["worker-decide"]["rung"] == RUNG, r["message"]
+    assert r["memo_before"] == r["memo_after"] == written
+    assert r["worker_utils_after"] is AFFECTED  # only apply() imports it, on purpose (0.31.0)
+    assert len(r["lines"]) == 1  # the decision line only
+
+
+def test_worker_leaves_a_valid_memo_alone(runs: dict[str, dict[str, Any]]) -> None:
+    r = runs["worker-valid-memo"]
+    assert r["rung"] == RUNG, r["message"]
+    assert r["memo_before"] == r["memo_after"] == runs["worker-decide"]["memo_after"]
+    assert r["memo_mtime_before"] is not None
+    assert r["memo_mtime_after"] == r["memo_mtime_before"]  # read, not rewritten
+    assert len(r["lines"]) == 1  # the decision line only
+
+
+def test_worker_rewrites_a_memo_with_other_facts(runs: dict[str, dict[str, Any]]) -> None:
+    r = runs["worker-other-facts"]
+    assert r["rung"] == RUNG, r["message"]
+    assert r["edited_facts"] != live_facts().to_json()
+    assert r["memo_facts"] == live_facts().to_json()  # rewritten with what the zeroer does
+    assert r["memo_after"] != r["memo_before"]
+    assert r["memo_mtime_after"] != r["memo_mtime_before"]
+    lines = memo_lines_of(r)
+    assert len(lines) == 1 and lines[0][0] == "DEBUG", r["lines"]
+    assert "holds other facts" in lines[0][1] and "refreshed" in lines[0][1]
+
+
+def test_loaded_worker_utils_means_live_facts_and_a_refreshed_memo(
+    cache_root: Path, memo_lines: list[tuple[str, str]], computed: list[int]
+) -> None:
     """Where vLLM's worker utils are loaded (this process), the probe computes live, from the
-    objects as loaded, and neither reads nor writes the memo."""
-    live_probe_checks()
-    assert not list(cache_root.rglob("*.json"))
+    objects as loaded, and writes what it computed into the memo."""
+    assert live_probe_checks()
+    assert computed == [1]  # live, not from the memo
+    path = memo.memo_path()
+    assert path.is_relative_to(cache_root)
+    assert memo.read_memo(path, memo.current_stamp()) == live_facts()
+    assert memo_lines == []
+
+
+def test_refresh_writes_only_when_needed(fresh_process: None, memo_lines: list[tuple[str, str]]) -> None:
+    facts = live_facts()
+    assert memo.refresh_memo(facts) is True  # missing: written
+    path = memo.memo_path()
+    before = path.stat()
+    memo._refreshed.clear()
+    assert memo.refresh_memo(facts) is False  # valid, same facts: read only
+    assert (path.stat().st_ino, path.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    memo._refreshed.clear()
+    data = json.loads(path.read_bytes())
+    data["stamp"]["torch_version"] = "0.0.1"  # stale
+    path.write_text(json.dumps(data))
+    assert memo.refresh_memo(facts) is True
+    assert memo.read_memo(path, memo.current_stamp()) == facts
+    assert memo_lines == []  # missing and stale are quiet
+
+
+def test_refresh_is_tried_once_per_process(
+    fresh_process: None, memo_lines: list[tuple[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The re-probe of the same decision does not read the memo again: one read, one DEBUG line
+    at most per process, facts and memo."""
+    facts = live_facts()
+    reads: list[int] = []
+    real = memo.read_memo
+
+    def counting(path: Path, stamp: Any) -> CoverageFacts | None:
+        reads.append(1)
+        return real(path, stamp)
+
+    monkeypatch.setattr(memo, "read_memo", counting)
+    memo.memo_path().parent.mkdir(parents=True)
+    memo.memo_path().write_bytes(b"not json")
+    assert memo.refresh_memo(facts) is True
+    assert memo.refresh_memo(facts) is False
+    assert reads == [1] and len(memo_lines) == 1
+    other = CoverageFacts(True, facts.layouts, {name: False for name in facts.layouts}, {})
+    assert memo.refresh_memo(other) is True  # other facts (vLLM's objects changed): refreshed again
+    assert reads == [1, 1]
+
+
+@pytest.mark.parametrize("memo_state", ["valid", "unwritable"])
+def test_reprobe_after_apply_adds_nothing(
+    memo_state: str,
+    cache_root: Path,
+    fresh_process: None,
+    memo_lines: list[tuple[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the fix applies (0.31.0) the engine core's probe reads the memo (or computes and
+    writes it), apply() imports vllm.v1.worker.utils, and the re-probe computes live: that
+    refresh neither reads the memo again nor repeats the DEBUG line of a memo it cannot write."""
+    if memo_state == "unwritable":
+        (cache_root / "vllm-fixes").write_text("a file where the memo's directory would be\n")
+    else:
+        coverage_facts(attention_spec, use_memo=True)
+        monkeypatch.setattr(memo, "_refreshed", set())
+    first = coverage_facts(attention_spec, use_memo=True)  # as with vllm.v1.worker.utils not loaded
+    lines = list(memo_lines)
+    assert len(lines) == (1 if memo_state == "unwritable" else 0), lines
+    monkeypatch.setattr(memo, "read_memo", None)  # a read would raise: refresh_memo logs it
+    monkeypatch.setattr(memo, "write_memo", None)
+    assert coverage_facts(attention_spec) == first  # loaded: live, then refresh
+    assert memo_lines == lines
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "other-facts", "unwritable", "raising"])
+def test_refresh_never_raises(
+    kind: str,
+    cache_root: Path,
+    fresh_process: None,
+    memo_lines: list[tuple[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    facts = live_facts()
+    path = memo.memo_path()
+    if kind == "unwritable":
+        (cache_root / "vllm-fixes").write_text("a file where the memo's directory would be\n")
+    else:
+        memo.write_memo(path, memo.current_stamp(), facts)
+    if kind == "corrupt":
+        path.write_bytes(b'{"stamp": {"schema": 1, trunc')
+    elif kind == "other-facts":
+        memo.write_memo(path, memo.current_stamp(), CoverageFacts(zeroer=False))
+    elif kind == "raising":
+        path.unlink()
+
+        def broken(*args: Any) -> None:
+            raise RuntimeError("disk on fire")
+
+        monkeypatch.setattr(memo, "write_memo", broken)
+    importlib.import_module(memo.WORKER_UTILS)
+    assert coverage_facts(attention_spec) == facts  # the probe's path: live, then refresh
+    assert len(memo_lines) == 1 and memo_lines[0][0] == "DEBUG", memo_lines
+    expected = {
+        "corrupt": ("unreadable", "; refreshed from the live facts"),
+        "other-facts": ("holds other facts", "; refreshed from the live facts"),
+        "unwritable": ("cannot write", "; not refreshed"),
+        "raising": ("disk on fire", "; not refreshed"),
+    }[kind]
+    assert expected[0] in memo_lines[0][1] and memo_lines[0][1].endswith(expected[1])
+    if kind in ("corrupt", "other-facts"):
+        assert memo.read_memo(path, memo.current_stamp()) == facts
+
+
+def test_concurrent_writers_never_break_a_reader(cache_root: Path) -> None:
+    """Several workers refreshing at once while an engine core reads: every read sees a whole,
+    valid memo, never a temporary file or a partial one; no temporary file stays."""
+    facts = live_facts()
+    path, stamp = memo.memo_path(), memo.current_stamp()
+    memo.write_memo(path, stamp, facts)  # the writers replace it while the reader reads
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    writes: list[int] = []
+
+    def writer() -> None:
+        try:
+            while not stop.is_set():
+                memo.write_memo(path, stamp, facts)
+                writes.append(1)
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=writer) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    seen = []
+    try:
+        while len(seen) < 200:
+            seen.append(memo.read_memo(path, stamp))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert failures == [] and len(writes) > 20  # the reads did race replaces
+    assert all(got == facts for got in seen)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]

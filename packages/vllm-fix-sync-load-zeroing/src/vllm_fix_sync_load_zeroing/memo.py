@@ -22,11 +22,32 @@ the source of the modules that define the facts. A read stats every recorded fil
 difference, or anything unreadable, means "compute live" (and write a new entry).
 
 The memo stands in for the import only: where ``vllm.v1.worker.utils`` is already loaded (a
-single-process engine, a test that changed vLLM's objects in memory) the facts are computed live
-from the loaded objects (a few ms) and nothing is read or written. The entry lives under vLLM's
-own cache root: ``$VLLM_CACHE_ROOT/vllm-fixes/sync-load-zeroing/coverage-<install hash>.json``,
-one file per vLLM install, written atomically. Nothing here ever raises into the probe: a memo
-that cannot be read, parsed or written costs the live computation and one DEBUG line.
+worker, a single-process engine, a test) the probe's facts are computed live from the loaded
+objects (a few ms), and the memo is *refreshed* with them: read, and rewritten only where it is
+missing, stale, corrupt or holds other facts; once per process and facts (the re-probe of the
+same decision does not read it again). vLLM starts an engine core's workers (which import
+the module, and decide in ``init_device``) before the engine core builds its scheduler, where
+this fix decides; so the first engine core after an install or upgrade finds the memo its
+workers wrote, instead of paying the import.
+
+Writing from a process whose vLLM objects are loaded is sound for what the facts are for: they
+describe the zeroer that runs, and the zeroer runs in the workers. If something in a worker
+changed vLLM's zeroer or layout code in memory (another plugin, a test), the worker's facts are
+those of the zeroer that will actually zero, and the engine core reads exactly those. Every
+worker start refreshes the memo before its engine core reads it, so a memo never outlives the
+configuration that wrote it by more than one process start; a process that sees other facts
+rewrites it (one DEBUG line). (Only a dry run in between, ``vllm-fixes status`` say, may read a
+memo that a process with changed objects wrote.) This package's tests get a fresh cache root
+each, so a test that changes vLLM's objects writes only into its own.
+
+The entry lives under vLLM's own cache root:
+``$VLLM_CACHE_ROOT/vllm-fixes/sync-load-zeroing/coverage-<install hash>.json``, one file per
+vLLM install, written atomically (a temporary file in the same directory, then ``os.replace``):
+concurrent writers (several TP workers starting at once) each replace the whole file, and a
+reader opens only the final name, so it sees one complete entry or none, never a temporary
+file. Nothing here ever raises into the probe: a memo that cannot be read, parsed or written
+costs the live computation (or, where the facts are live anyway, a skipped refresh) and one
+DEBUG line.
 """
 
 from __future__ import annotations
@@ -123,12 +144,33 @@ def compute_facts(spec: Callable[[], Any]) -> CoverageFacts:
     return CoverageFacts(True, layouts, covered, errors)
 
 
+# (memo path, stamp + facts) this process has read from or written (or tried to write) to the
+# memo: the re-probe of the same decision (and any later probe with the same facts) neither reads
+# nor writes it again, nor logs a second DEBUG line about it.
+_refreshed: set[tuple[str, str]] = set()
+
+
+def _done(path: Path, stamp: Mapping[str, Any], facts: CoverageFacts) -> tuple[str, str]:
+    return str(path), json.dumps([stamp, facts.to_json()], sort_keys=True)
+
+
+def _remember(path: Path, stamp: Mapping[str, Any], facts: CoverageFacts) -> None:
+    with contextlib.suppress(Exception):
+        _refreshed.add(_done(path, stamp, facts))
+
+
 def coverage_facts(spec: Callable[[], Any], *, use_memo: bool | None = None) -> CoverageFacts:
     """The facts for the probe: from the memo where it is valid, otherwise computed live.
 
-    `use_memo` None (the probe): the memo is used iff vllm.v1.worker.utils is not loaded yet."""
+    `use_memo` None (the probe): where vllm.v1.worker.utils is not loaded yet, the memo is used;
+    where it is loaded, the facts are computed live and the memo refreshed with them
+    (refresh_memo). True: the memo is used regardless; False: live, the memo left alone."""
     if use_memo is None:
-        use_memo = WORKER_UTILS not in sys.modules
+        if WORKER_UTILS in sys.modules:
+            live = compute_facts(spec)  # may raise: the probe then answers "cannot check"
+            refresh_memo(live)
+            return live
+        use_memo = True
     if not use_memo:
         return compute_facts(spec)
     problem = ""
@@ -146,10 +188,12 @@ def coverage_facts(spec: Callable[[], Any], *, use_memo: bool | None = None) -> 
             facts = None
             problem = f"{path} unreadable ({exc!r})"
         if facts is not None:
+            _remember(path, stamp, facts)
             return facts
     try:
         facts = compute_facts(spec)  # may raise: the probe then answers "cannot check"
         if path is not None and stamp is not None:
+            _remember(path, stamp, facts)  # a later refresh_memo has nothing to add
             try:
                 write_memo(path, stamp, facts)
             except Exception as exc:
@@ -158,6 +202,43 @@ def coverage_facts(spec: Callable[[], Any], *, use_memo: bool | None = None) -> 
         if problem:
             _memo_logger().debug("coverage memo: %s; computed live", problem)
     return facts
+
+
+def refresh_memo(facts: CoverageFacts) -> bool:
+    """Make the memo hold `facts`, computed live in this process: read it, and write `facts`
+    (atomically) only where it is missing, stale, corrupt or holds other facts. Tried once per
+    process for the same path, stamp and facts. True iff it wrote. Never raises; a problem
+    other than a plain miss or a stale entry is one DEBUG line."""
+    problems: list[str] = []
+    wrote = False
+    try:
+        path, stamp = memo_path(), current_stamp()
+        done = _done(path, stamp, facts)
+    except Exception as exc:
+        _memo_logger().debug("coverage memo: no memo key (%r); not refreshed", exc)
+        return False
+    if done in _refreshed:
+        return False
+    try:
+        held = read_memo(path, stamp)
+    except FileNotFoundError:
+        held = None
+    except Exception as exc:  # unreadable or corrupt: overwrite
+        held = None
+        problems.append(f"{path} unreadable ({exc!r})")
+    if held != facts:
+        if held is not None:
+            problems.append(f"{path} holds other facts than computed live here")
+        try:
+            write_memo(path, stamp, facts)
+            wrote = True
+        except Exception as exc:
+            problems.append(f"cannot write {path} ({exc!r})")
+    _refreshed.add(done)  # tried: a memo this process cannot write is not retried (nor logged) again
+    if problems:
+        outcome = "refreshed from the live facts" if wrote else "not refreshed"
+        _memo_logger().debug("coverage memo: %s; %s", "; ".join(problems), outcome)
+    return wrote
 
 
 def memo_path() -> Path:

@@ -10,7 +10,8 @@ whose layout condition is computed from vLLM's own view builder, zeroer and READ
 Those coverage facts (the oracle's input, not vLLM's behaviour under test) come from a
 persistent memo where vLLM's worker utilities are not loaded yet (see
 :mod:`vllm_fix_sync_load_zeroing.memo`): computing them imports ``vllm.v1.worker.utils``, about
-100 ms a multi-process engine core would otherwise never spend. The probe cases themselves
+100 ms a multi-process engine core would otherwise never spend. Where the module is loaded (a
+worker) they are computed live and the memo is refreshed with them. The probe cases themselves
 always run live.
 """
 
