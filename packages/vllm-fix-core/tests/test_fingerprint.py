@@ -1,6 +1,8 @@
 """Fingerprints read from the code object's line table equal those read by inspect.getsource,
 for every function of the installed vLLM's modules that the fixes patch, and for the shapes
-the line table cannot cut alone (a body ending in a bare `pass`, decorators, nested code)."""
+the line table cannot cut alone (a body ending in a bare `pass`, decorators, nested code).
+The reference also strips docstrings its own way (visiting every node), so the fast strip of
+statement lists is checked against it on the same functions."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any
 import pytest
 
 from vllm_fix_core import fingerprint
-from vllm_fix_core.fingerprint import ast_fingerprint, function_ast, strip_docstrings
+from vllm_fix_core.fingerprint import ast_fingerprint, function_ast
 
 PATCHED_MODULES = (
     "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector",
@@ -33,12 +35,28 @@ PATCHED_MODULES = (
 GETSOURCE = inspect.getsource  # the reference reads the source with inspect itself
 
 
+def reference_strip(node: ast.AST) -> ast.AST:
+    """Every docstring of a function or class anywhere in `node`, found by visiting every node."""
+    for sub in ast.walk(node):
+        body = getattr(sub, "body", None)
+        if (
+            isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            sub.body = body[1:] or [ast.Pass()]
+    return node
+
+
 def inspect_fingerprint(obj: Any) -> str:
     """The fingerprint of the source as inspect.getsource reads it (the reference: only how the
     source is found differs from ast_fingerprint)."""
     node = ast.parse(textwrap.dedent(GETSOURCE(obj))).body[0]
     assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-    dump = ast.dump(strip_docstrings(node), annotate_fields=True, include_attributes=False)
+    dump = ast.dump(reference_strip(node), annotate_fields=True, include_attributes=False)
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
 
 
@@ -122,6 +140,37 @@ def nested(x):
     return inner, Local
 
 
+def docstrings_everywhere(x):
+    """Definitions with docstrings in every kind of statement list."""
+    try:
+        def in_try():
+            """doc"""
+    except ValueError:
+        def in_handler():
+            """doc"""
+            return 1
+    else:
+        class InElse:
+            """doc"""
+    finally:
+        async def in_finally():
+            """doc"""
+            return [lambda: "not a docstring"]
+    match x:
+        case 1:
+            def in_case():
+                """doc"""
+    with open(x) as f:
+        for _ in f:
+            def in_for():
+                """doc"""
+        else:
+            while x:
+                def in_while():
+                    """only a docstring"""
+    return "a string that is not a docstring"
+
+
 class Holder:
     def method(self, x):
         """A docstring that spans
@@ -142,6 +191,7 @@ def test_same_fingerprint_as_inspect_for_edge_shapes(tmp_path: Path, monkeypatch
         module.trailing_comment,
         module.decorated.__wrapped__,
         module.nested,
+        module.docstrings_everywhere,
         module.Holder.method,
     ]
     for func in funcs:
