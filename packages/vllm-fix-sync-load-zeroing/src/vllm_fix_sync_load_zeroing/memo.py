@@ -159,6 +159,27 @@ def _remember(path: Path, stamp: Mapping[str, Any], facts: CoverageFacts) -> Non
         _refreshed.add(_done(path, stamp, facts))
 
 
+def _read(path: Path, stamp: Mapping[str, Any], problems: list[str]) -> CoverageFacts | None:
+    """read_memo; a missing file is a miss, any other failure a miss noted in `problems`."""
+    try:
+        return read_memo(path, stamp)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # unreadable or corrupt: overwritten with the live facts
+        problems.append(f"{path} unreadable ({exc!r})")
+        return None
+
+
+def _write(path: Path, stamp: Mapping[str, Any], facts: CoverageFacts, problems: list[str]) -> bool:
+    """write_memo; False, noted in `problems`, where it fails."""
+    try:
+        write_memo(path, stamp, facts)
+    except Exception as exc:
+        problems.append(f"cannot write {path} ({exc!r})")
+        return False
+    return True
+
+
 def coverage_facts(spec: Callable[[], Any], *, use_memo: bool | None = None) -> CoverageFacts:
     """The facts for the probe: from the memo where it is valid, otherwise computed live.
 
@@ -173,34 +194,25 @@ def coverage_facts(spec: Callable[[], Any], *, use_memo: bool | None = None) -> 
         use_memo = True
     if not use_memo:
         return compute_facts(spec)
-    problem = ""
+    problems: list[str] = []
+    key: tuple[Path, dict[str, Any]] | None = None
     try:
-        path, stamp = memo_path(), current_stamp()
+        key = memo_path(), current_stamp()
     except Exception as exc:
-        path, stamp = None, None
-        problem = f"no memo key ({exc!r})"
-    if path is not None and stamp is not None:
-        try:
-            facts = read_memo(path, stamp)
-        except FileNotFoundError:
-            facts = None
-        except Exception as exc:  # unreadable or corrupt: recompute, overwrite
-            facts = None
-            problem = f"{path} unreadable ({exc!r})"
-        if facts is not None:
-            _remember(path, stamp, facts)
-            return facts
+        problems.append(f"no memo key ({exc!r})")
+    else:
+        held = _read(*key, problems)
+        if held is not None:
+            _remember(*key, held)
+            return held
     try:
         facts = compute_facts(spec)  # may raise: the probe then answers "cannot check"
-        if path is not None and stamp is not None:
-            _remember(path, stamp, facts)  # a later refresh_memo has nothing to add
-            try:
-                write_memo(path, stamp, facts)
-            except Exception as exc:
-                problem = "; ".join(filter(None, (problem, f"cannot write {path} ({exc!r})")))
+        if key is not None:
+            _remember(*key, facts)  # a later refresh_memo has nothing to add
+            _write(*key, facts, problems)
     finally:
-        if problem:
-            _memo_logger().debug("coverage memo: %s; computed live", problem)
+        if problems:
+            _memo_logger().debug("coverage memo: %s; computed live", "; ".join(problems))
     return facts
 
 
@@ -209,8 +221,6 @@ def refresh_memo(facts: CoverageFacts) -> bool:
     (atomically) only where it is missing, stale, corrupt or holds other facts. Tried once per
     process for the same path, stamp and facts. True iff it wrote. Never raises; a problem
     other than a plain miss or a stale entry is one DEBUG line."""
-    problems: list[str] = []
-    wrote = False
     try:
         path, stamp = memo_path(), current_stamp()
         done = _done(path, stamp, facts)
@@ -219,21 +229,13 @@ def refresh_memo(facts: CoverageFacts) -> bool:
         return False
     if done in _refreshed:
         return False
-    try:
-        held = read_memo(path, stamp)
-    except FileNotFoundError:
-        held = None
-    except Exception as exc:  # unreadable or corrupt: overwrite
-        held = None
-        problems.append(f"{path} unreadable ({exc!r})")
+    problems: list[str] = []
+    held = _read(path, stamp, problems)
+    wrote = False
     if held != facts:
         if held is not None:
             problems.append(f"{path} holds other facts than computed live here")
-        try:
-            write_memo(path, stamp, facts)
-            wrote = True
-        except Exception as exc:
-            problems.append(f"cannot write {path} ({exc!r})")
+        wrote = _write(path, stamp, facts, problems)
     _refreshed.add(done)  # tried: a memo this process cannot write is not retried (nor logged) again
     if problems:
         outcome = "refreshed from the live facts" if wrote else "not refreshed"
