@@ -45,7 +45,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_fix_core import Fix
 
 # The module vLLM imports first in each process kind (its entry point), where importable.
 CONTEXT = {
@@ -111,7 +114,7 @@ def after_workers(which: str, samples: int, key: str | None) -> tuple[float, flo
     return statistics.median(workers), statistics.median(engines)
 
 
-def decide_kinds(fixes: list[Any]) -> dict[str, list[str]]:
+def decide_kinds(fixes: list[Fix]) -> dict[str, list[str]]:
     """Per fix id, the process kinds it decides in: those of its own targets, plus every kind
     with a target (of any fix) in its trigger module, as such a process imports that module."""
     module_kinds: dict[str, set[str]] = {}
@@ -119,7 +122,7 @@ def decide_kinds(fixes: list[Any]) -> dict[str, list[str]]:
         for target in fix.targets:
             module_kinds.setdefault(target.module, set()).add(target.process.value)
     return {
-        fix.id: sorted({t.process.value for t in fix.targets} | module_kinds.get(fix.trigger_module, set()))
+        fix.id: sorted({p.value for p in fix.processes} | module_kinds.get(fix.trigger_module, set()))
         for fix in fixes
     }
 
