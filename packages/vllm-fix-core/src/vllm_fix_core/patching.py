@@ -100,6 +100,11 @@ class PatchSet:
     def applied(self) -> bool:
         return bool(self._touched or self._undo)
 
+    @property
+    def targets(self) -> tuple[tuple[Any, str], ...]:
+        """Every (owner, attribute) this fix patched, in the order it patched them."""
+        return tuple(dict.fromkeys((owner, attr) for owner, attr in self._touched))
+
     def _record(self, owner: Any, attr: str) -> _Record:
         key = (id(owner), attr)
         record = _RECORDS.get(key)

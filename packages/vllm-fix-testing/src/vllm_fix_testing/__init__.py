@@ -32,7 +32,11 @@ from vllm_fix_testing.engine import (
     Notify,
     ReadCall,
 )
-from vllm_fix_testing.hostile import assert_hostile_wrapper_fails, hostile_decision
+from vllm_fix_testing.hostile import (
+    assert_every_target_observed,
+    assert_hostile_wrapper_fails,
+    hostile_decision,
+)
 from vllm_fix_testing.real import (
     MORIIO_EXTRA_CONFIG,
     STRICT,
@@ -61,6 +65,7 @@ __all__ = [
     "ReadCall",
     "__version__",
     "applied",
+    "assert_every_target_observed",
     "assert_hostile_wrapper_fails",
     "done",
     "failed",

@@ -1,24 +1,43 @@
-"""A hostile wrapper: proves a fix's probe observes vLLM, not the fix.
+"""Hostile wrappers: prove a fix's probe observes vLLM, not the fix.
 
-`hostile_decision(fix)` runs the real decision ladder with one change: right after the fix
-applies, another wrapper is layered over every target the fix declares, and that wrapper calls
-vLLM's original object instead of what is installed (undoing the fix's effect while the fix's
-own wrappers stay in the chain). A probe that calls vLLM's entry points through whatever is
+Right after the fix applies, a layer is put over what the fix patched that calls vLLM's
+original object instead of what is installed (undoing the fix's effect there while the fix's
+own layers stay in the chain). A probe that calls vLLM's entry points through whatever is
 installed must then see the bug again, so the ladder must answer "failed to fix", revert, and
 leave every target exactly as it was. A probe that checks its own wrapper, or calls the fix's
 code by hand, says "fixed" and the test that uses this helper fails.
+
+Two forms:
+
+* ``assert_hostile_wrapper_fails(fix)``: the undo layer over *every* patched target at once;
+* ``assert_every_target_observed(fix)``: one patched target at a time (vLLM's original over
+  that target only, the fix's other layers in place), for each target the fix's apply
+  patched on this vLLM (not only the declared ones: what ``PatchSet.targets`` recorded).
+  A target whose undo the probe does not notice is a patched function nobody verifies.
+
+``python -m vllm_fix_testing.hostile [--fix ID]...`` runs the per-target form for every
+installed fix that this vLLM needs (the release matrix runs it on every release).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import sys
+from collections.abc import Sequence
 from typing import Any
 
-from vllm_fix_core import Decision, Fix, PatchSet, Settings, evaluate, original_of
+from vllm_fix_core import Decision, Fix, FixFailed, PatchSet, Rung, Settings, evaluate, original_of
 from vllm_fix_core.declaration import _load, static_lookup
 
-_REAL_APPLY: dict[str, str] = {}
 HOSTILE_ID = "hostile-wrapper"
+
+
+def label(owner: Any, attr: str) -> str:
+    """A patched target's name: ``Class.attr`` or ``module.attr``."""
+    name = owner.__qualname__ if isinstance(owner, type) else getattr(owner, "__name__", repr(owner))
+    return f"{name}.{attr}"
 
 
 def _undo_wrapper(owner: Any, attr: str) -> Any:
@@ -39,33 +58,51 @@ def _undo_wrapper(owner: Any, attr: str) -> Any:
     return wrapper
 
 
+@dataclasses.dataclass
+class _Plan:
+    fix: Fix
+    only: str | None  # a target's label, or None for every patched target
+    seen: list[str] = dataclasses.field(default_factory=list)
+
+
+_PLANS: dict[str, _Plan] = {}
+
+
 def hostile_apply(patch: PatchSet, shape: str) -> None:
-    """The fix's own apply, then a layer over each declared target that calls vLLM's original."""
-    fix: Fix = _FIXES[patch.fix_id]
-    real: Any = _load(_REAL_APPLY[patch.fix_id])
+    """The fix's own apply, then the undo layer over the chosen patched target(s)."""
+    plan = _PLANS[patch.fix_id]
+    real: Any = _load(plan.fix.apply)
     real(patch, shape)
     hostile = PatchSet(HOSTILE_ID)
-    for target in fix.targets:
-        try:
-            owner, attr, _ = target.resolve()
-        except (ImportError, AttributeError):
-            if target.optional:
-                continue
-            raise
-        hostile.wrap(owner, attr, _undo_wrapper(owner, attr))
+    plan.seen = [label(owner, attr) for owner, attr in patch.targets]
+    for owner, attr in patch.targets:
+        if plan.only is None or label(owner, attr) == plan.only:
+            hostile.wrap(owner, attr, _undo_wrapper(owner, attr))
+    if plan.only is not None and not hostile.applied:
+        raise LookupError(f"{plan.fix.id} did not patch {plan.only} on this vLLM (it patched {plan.seen})")
     # The fix's revert takes the hostile layer off first, so both come off exactly.
     patch.on_revert(hostile.revert)
 
 
-_FIXES: dict[str, Fix] = {}
-
-
-def hostile_decision(fix: Fix, *, strict: bool = False) -> Decision:
-    """The ladder's decision for `fix` with the hostile layer over it (strict: raises FixFailed)."""
-    _REAL_APPLY[fix.id] = fix.apply
-    _FIXES[fix.id] = fix
+def hostile_decision(fix: Fix, *, strict: bool = False, only: str | None = None) -> Decision:
+    """The ladder's decision for `fix` with the undo layer over `only` (default: every target)."""
+    _PLANS[fix.id] = _Plan(fix, only)
     variant = dataclasses.replace(fix, apply=f"{__name__}:hostile_apply")
     return evaluate(variant, Settings(disabled=frozenset(), strict=strict), apply=True, honour_disable=False)
+
+
+def patched_targets(fix: Fix) -> list[str]:
+    """The labels of what the fix's apply patches on this vLLM (applied, recorded, reverted)."""
+    plan = _Plan(fix, only="")  # matches nothing: records the targets, layers nothing
+    _PLANS[fix.id] = plan
+    patch = PatchSet(fix.id)
+    try:
+        hostile_apply(patch, fix.run_recognize())
+    except LookupError:
+        pass
+    finally:
+        patch.revert()
+    return plan.seen
 
 
 def target_objects(fix: Fix) -> dict[str, Any]:
@@ -80,28 +117,79 @@ def target_objects(fix: Fix) -> dict[str, Any]:
     return found
 
 
-def assert_hostile_wrapper_fails(fix: Fix) -> Decision:
-    """The check every fix package runs where its vLLM is affected.
-
-    The ladder must say "failed to fix" (not "affected → fixed"), revert, and leave every
-    target object identical to what it was before; strict mode must raise FixFailed.
-    """
-    from vllm_fix_core import FixFailed, Rung
-
+def _check_fails(fix: Fix, only: str | None) -> Decision:
+    what = "every patched target" if only is None else only
     before = target_objects(fix)
-    decision = hostile_decision(fix)
+    decision = hostile_decision(fix, only=only)
+    if decision.patch is not None:  # "affected → fixed" keeps its patch: take it off again
+        decision.patch.revert()
     assert decision.rung is Rung.FAILED, (
-        f"{fix.id}: with vLLM's original behaviour layered over the fix, the ladder said "
-        f"{decision.rung.value!r} ({decision.reason}); its probe does not observe vLLM"
+        f"{fix.id}: with vLLM's original layered over {what}, the ladder said "
+        f"{decision.rung.value!r} ({decision.reason}); its probe does not observe that target"
     )
     after = target_objects(fix)
     assert all(after[k] is v for k, v in before.items()), f"{fix.id}: targets not restored exactly"
     try:
-        hostile_decision(fix, strict=True)
+        strict = hostile_decision(fix, strict=True, only=only)
     except FixFailed:
         pass
     else:
-        raise AssertionError(f"{fix.id}: strict mode did not raise FixFailed under the hostile wrapper")
+        if strict.patch is not None:
+            strict.patch.revert()
+        raise AssertionError(f"{fix.id}: strict mode did not raise FixFailed with {what} undone")
     after = target_objects(fix)
     assert all(after[k] is v for k, v in before.items()), f"{fix.id}: strict run did not restore targets"
     return decision
+
+
+def assert_hostile_wrapper_fails(fix: Fix) -> Decision:
+    """vLLM's originals over every patched target: "failed to fix", exact revert, FixFailed strict."""
+    return _check_fails(fix, None)
+
+
+def assert_every_target_observed(fix: Fix) -> dict[str, Decision]:
+    """For each target the fix patches here, undone alone: "failed to fix" (and FixFailed strict).
+
+    Every unobserved target is named in one AssertionError (not only the first)."""
+    decisions: dict[str, Decision] = {}
+    unobserved: list[str] = []
+    targets = patched_targets(fix)
+    assert targets, f"{fix.id}: its apply patched nothing on this vLLM"
+    for name in targets:
+        try:
+            decisions[name] = _check_fails(fix, name)
+        except AssertionError as exc:
+            unobserved.append(str(exc))
+    assert not unobserved, "\n".join(unobserved)
+    return decisions
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Per-target check for every installed fix this vLLM needs; JSON lines on stdout."""
+    from vllm_fix_core import registry
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fix", action="append", default=[], help="only this fix id (repeatable)")
+    args = parser.parse_args(argv)
+    fixes = [i.fix for i in registry.installed_fixes() if not args.fix or i.fix.id in args.fix]
+    failed = 0
+    for fix in fixes:
+        decision = evaluate(fix, Settings(disabled=frozenset(), strict=False), apply=False, honour_disable=False)
+        if decision.rung is not Rung.EVALUATED:
+            print(json.dumps({"fix": fix.id, "answer": decision.rung.value, "targets": {}}), flush=True)
+            continue
+        results: dict[str, str] = {}
+        for name in patched_targets(fix):
+            try:
+                _check_fails(fix, name)
+                results[name] = "observed"
+            except AssertionError as exc:
+                failed += 1
+                results[name] = f"NOT observed: {exc}"
+        print(json.dumps({"fix": fix.id, "answer": decision.rung.value, "targets": results}), flush=True)
+    print(f"hostile: {len(fixes)} fixes checked, {failed} patched targets not observed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
