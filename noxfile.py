@@ -361,7 +361,8 @@ def _matrix(release: str) -> None:
     def session_fn(session: nox.Session) -> None:
         meta = workspace.by_name()[workspace.META]
         local, _ = workspace.local_closure(meta, extras=())
-        _install(session, release, local)
+        testing = workspace.by_name()["vllm-fix-testing"]
+        _install(session, release, [*local, testing])
         out = Path(session.create_tmp()) / f"{release}.json"
         # verify exits 1 on "failed to fix" or "cannot check"; the comparison below says which.
         with out.open("w") as fh:
@@ -388,8 +389,16 @@ def _matrix(release: str) -> None:
             *session.posargs,
             external=True,
         )
+        # Every patched target observed: each fix this release needs, with vLLM's original
+        # layered over one patched target at a time, must fail verification.
+        session.run(
+            "python", "-c", "from vllm_fix_testing.hostile import main; raise SystemExit(main())", env=_env(release)
+        )
 
-    session_fn.__doc__ = f"vllm-fixes verify --json on vLLM {release}, compared with docs/support-matrix/"
+    session_fn.__doc__ = (
+        f"vllm-fixes verify --json on vLLM {release}, compared with docs/support-matrix/; then every "
+        "patched target undone alone must fail verification"
+    )
     tags = ["matrix", "ci", "lane-a", f"vllm-{release}"]
     nox.session(name=f"matrix-{release}", python=PYTHON, tags=tags)(session_fn)
 

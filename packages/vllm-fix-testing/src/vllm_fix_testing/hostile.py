@@ -15,8 +15,8 @@ Two forms:
   patched on this vLLM (not only the declared ones: what ``PatchSet.targets`` recorded).
   A target whose undo the probe does not notice is a patched function nobody verifies.
 
-``python -m vllm_fix_testing.hostile [--fix ID]...`` runs the per-target form for every
-installed fix that this vLLM needs (the release matrix runs it on every release).
+``main([--fix ID]...)`` runs the per-target form for every installed fix that this vLLM needs
+and prints one JSON line per fix (the release matrix runs it on every release).
 """
 
 from __future__ import annotations
