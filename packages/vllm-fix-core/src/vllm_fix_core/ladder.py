@@ -150,7 +150,21 @@ def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool
     missing = _resolve_targets(fix)
     if missing is not None:
         return missing
-    # Rung 3: does this vLLM have the bug?
+    before = _probe_before(fix)
+    if isinstance(before, Decision):
+        return before
+    shape = _recognize(fix, before)
+    if isinstance(shape, Decision):
+        return shape
+    if not apply:
+        return Decision(
+            fix.id, Rung.EVALUATED, _describe_before(before) + f"; shape {shape}", before=before, shape=shape
+        )
+    return _apply_and_verify(fix, before, shape)
+
+
+def _probe_before(fix: Fix) -> ProbeReport | Decision:
+    """Rung 3: does this vLLM have the bug? The report, or the decision that ends the ladder."""
     try:
         before = run_probe(fix)
     except NotApplicable as exc:
@@ -164,7 +178,11 @@ def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool
             "this vLLM already behaves correctly (" + before.summary() + "); nothing patched",
             before=before,
         )
-    # Rung 4: only known shapes, and only a vLLM that behaves as the fix assumes.
+    return before
+
+
+def _recognize(fix: Fix, before: ProbeReport) -> str | Decision:
+    """Rung 4: only known shapes, and only a vLLM that behaves as the fix assumes."""
     seen = "affected, not patched: " + _describe_before(before)
     try:
         shape = fix.run_recognize()
@@ -181,11 +199,11 @@ def _evaluate(fix: Fix, settings: Settings, *, apply: bool, honour_disable: bool
             f"{seen}; this vLLM does not behave as the fix assumes ({before.summary()})",
             before=before,
         )
-    if not apply:
-        return Decision(
-            fix.id, Rung.EVALUATED, _describe_before(before) + f"; shape {shape}", before=before, shape=shape
-        )
-    # Rung 5: apply, verify, or revert.
+    return shape
+
+
+def _apply_and_verify(fix: Fix, before: ProbeReport, shape: str) -> Decision:
+    """Rung 5: apply, probe again through what is installed, keep or revert."""
     patch = PatchSet(fix.id)
     try:
         fix.run_apply(patch, shape)
