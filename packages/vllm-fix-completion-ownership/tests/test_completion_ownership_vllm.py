@@ -17,15 +17,17 @@ import pytest
 from vllm_fix_completion_ownership import FIX
 from vllm_fix_completion_ownership.patch import (
     GATE_ATTR,
+    PER_STEP_KNOWN,
     REPLACED_KNOWN,
     TRANSFER_RESULTS,
     gate_of,
     recognize,
 )
 from vllm_fix_completion_ownership.probe import child_class, multi_connector, probe_child, request
-from vllm_fix_completion_ownership.rule import META_ATTR
+from vllm_fix_completion_ownership.rule import META_ATTR, SchedulerLedger, WorkerGate
 from vllm_fix_core import Rung, UnknownShape, layers_of
 from vllm_fix_testing import assert_hostile_wrapper_fails, vllm_version
+from vllm_fix_testing.hostile import assert_every_target_observed
 from vllm_fix_testing.prefill_instance import World
 
 # Patched on vLLM 0.30+ (the test targets): every declared target except get_finished, which
@@ -78,7 +80,13 @@ def test_probe_affected_on_both_releases() -> None:
     assert recognize() == TRANSFER_RESULTS
     report = FIX.run_probe()
     assert report.affected, report.summary()
-    assert set(report.names(True)) == {"swallowed-completion", "early-completion", "stray-completion"}
+    assert set(report.names(True)) == {
+        "swallowed-completion",
+        "early-completion",
+        "stray-completion",
+        "stray-recving",
+        "partial-tail-owner-ignored",
+    }
     assert not report.broken_guards
 
 
@@ -91,6 +99,96 @@ def test_hostile_wrapper_over_the_targets_makes_the_ladder_fail_and_revert() -> 
     # vLLM's original behaviour layered over every declared target: the probe, which calls
     # the installed MultiConnector, must see the bug again.
     assert assert_hostile_wrapper_fails(FIX).rung is Rung.FAILED
+
+
+def require_affected() -> None:
+    if not FIX.run_probe().affected:
+        pytest.skip(f"vLLM {vllm_version()} does not show the bug: the fix does not apply")
+
+
+def test_every_patched_target_is_observed() -> None:
+    # vLLM's original over one patched target at a time (the fix's other layers in place):
+    # each undo alone makes the ladder say "failed to fix" (FixFailed under strict).
+    require_affected()
+    decisions = assert_every_target_observed(FIX)
+    assert set(decisions) == {f"MultiConnector.{name}" for name in TARGET_NAMES}
+
+
+def test_every_target_is_observed_in_its_wrapped_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The four per-step methods are re-implemented for their known fingerprint and wrapped for
+    # any other body: the wrappers (used where vLLM's body differs) must be observed as well.
+    require_affected()
+    for name in PER_STEP_KNOWN:
+        monkeypatch.setitem(PER_STEP_KNOWN, name, frozenset())
+    decisions = assert_every_target_observed(FIX)
+    assert set(decisions) == {f"MultiConnector.{name}" for name in TARGET_NAMES}
+
+
+# ------------------------------------------------------------------------------ oracle vs. rule
+# The probe's expected answers are written from the rule's table (README), never computed with
+# rule.py. Each broken rule below is installed at the reference patch.py holds; the probe must
+# then say "failed to fix", and the ladder reverts.
+def _gate_accepting_any_recv() -> type:
+    class Broken(WorkerGate):
+        def accepted_recv(self, child: int, req_ids: Any) -> Any:
+            return req_ids  # recv reports counted from any child, not only the loader
+
+    return Broken
+
+
+def _gate_counting_any_report() -> type:
+    class Broken(WorkerGate):
+        def report_all(self, child: int, req_ids: Any) -> None:
+            for req_id in req_ids:  # the first owner's report completes the request
+                if req_id in self.pending:
+                    self._retire(req_id, report=True)
+                else:
+                    self.report_sending(child, req_id)
+
+    return Broken
+
+
+def _ledger_without_partial_tails() -> type:
+    class Broken(SchedulerLedger):
+        def accept_partial_tail(self, req_id: str, child: int) -> None:
+            return None  # a partial-tail acceptor is not an owner
+
+    return Broken
+
+
+def _ledger_shipping_no_loaders() -> type:
+    class Broken(SchedulerLedger):
+        def record_loader(self, req_id: str, child: int) -> None:
+            return None  # the workers never learn the loader
+
+    return Broken
+
+
+@pytest.mark.parametrize(
+    ("name", "broken"),
+    [
+        ("WorkerGate", _gate_accepting_any_recv),
+        ("WorkerGate", _gate_counting_any_report),
+        ("SchedulerLedger", _ledger_without_partial_tails),
+        ("SchedulerLedger", _ledger_shipping_no_loaders),
+    ],
+    ids=["recv-from-any-child", "any-report-completes", "no-partial-tail-owner", "no-loader-shipped"],
+)
+def test_broken_rule_makes_verify_fail(monkeypatch: pytest.MonkeyPatch, name: str, broken: Any) -> None:
+    from vllm_fix_completion_ownership import patch as patch_module
+    from vllm_fix_core import Settings, evaluate
+
+    require_affected()
+    cls = mc_module().MultiConnector
+    originals = {n: cls.__dict__[n] for n in TARGET_NAMES}
+    with monkeypatch.context() as m:
+        m.setattr(patch_module, name, broken())
+        settings = Settings(disabled=frozenset(), strict=False)
+        decision = evaluate(FIX, settings, apply=True, honour_disable=False)
+    assert decision.rung is Rung.FAILED, decision.reason
+    assert all(cls.__dict__[n] is originals[n] for n in TARGET_NAMES)  # reverted exactly
+    assert all(layers_of(cls, n) == [] for n in TARGET_NAMES)
+    assert FIX.run_probe().affected
 
 
 # ------------------------------------------------------------------------------ D1
@@ -208,18 +306,14 @@ def test_sync_scheduling_patched(patched: object) -> None:
 # ------------------------------------------------------------------------------ recv routing
 def loader_child_class() -> type:
     class LoaderChild(child_class()):  # type: ignore[misc]
-        """A child that loads the requests it matches and records the recv ids it is shown."""
+        """A child that loads the requests it matches and records the recv ids it is shown
+        (its ``recving`` ids are reported by the probe child's get_transfer_results)."""
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
             return self.tokens, True
 
         def update_connector_output(self, output: Any) -> None:
             self.seen_recv.append(set(output.finished_recving or ()))
-
-        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-            results = super().get_transfer_results(finished_req_ids)
-            results.finished_recving, self.recving = self.recving, set()
-            return results
 
     return LoaderChild
 

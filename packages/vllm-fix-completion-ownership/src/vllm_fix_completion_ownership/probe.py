@@ -23,9 +23,19 @@ Checks (each affected on every vLLM release 0.24.0-0.33.0):
   the worker surfaces a request held by both children on child 0's report alone, then
   swallows child 1's;
 * ``stray-completion``: a report for a request no child held is surfaced (the scheduler
-  already freed it).
+  already freed it);
+* ``stray-recving``: child 1 is the loader of a request (its ``get_num_new_matched_tokens``
+  matched tokens, child 0's did not, so the scheduler-side MultiConnector assigned the
+  request to child 1); a ``finished_recving`` report for it from child 0 is surfaced by the
+  worker, which would tell the scheduler the load is done while child 1 still writes;
+* ``partial-tail-owner-ignored`` (D4, vLLM 0.30.0+, where ``register_finished_partial_tail``
+  exists): child 1 accepted the request's partial tail through the MultiConnector (its
+  ``request_finished`` says False), child 0 holds it too; the worker surfaces the request on
+  child 0's report alone, while child 1 still saves the tail.
 
-Guard: a request held by child 1 only is surfaced on child 1's report.
+Guards: a request held by child 1 only is surfaced on child 1's report; the loader's own
+``finished_recving`` report is surfaced; the partial-tail request is surfaced once child 1
+reports it too.
 """
 
 from __future__ import annotations
@@ -68,13 +78,18 @@ def child_class() -> type:
         if self.rewrites:  # like MoRIIO's producer: keep only what it holds itself
             output.finished_sending = {r for r in output.finished_sending or () if r in self.holds} or None
 
+    def register_finished_partial_tail(self: Any, request: Any, block_ids: Any, offloads: Any) -> bool:
+        return request.request_id in self.tail
+
     def get_finished(self: Any, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sent, self.reports = self.reports, set()
-        return sent or None, None
+        recv, self.recving = self.recving, set()
+        return sent or None, recv or None
 
     def get_transfer_results(self: Any, finished_req_ids: set[str]) -> Any:
         sent, self.reports = self.reports, set()
-        return mod.KVConnectorTransferResults(finished_sending=sent)
+        recv, self.recving = self.recving, set()
+        return mod.KVConnectorTransferResults(finished_sending=sent, finished_recving=recv)
 
     body: dict[str, Any] = {name: noop for name in getattr(KVConnectorBase_V1, "__abstractmethods__", ())}
     body.update(
@@ -82,6 +97,7 @@ def child_class() -> type:
         get_num_new_matched_tokens=get_num_new_matched_tokens,
         build_connector_meta=build_connector_meta,
         update_connector_output=update_connector_output,
+        register_finished_partial_tail=register_finished_partial_tail,
         get_finished=get_finished,
         __module__=__name__,
     )
@@ -90,15 +106,24 @@ def child_class() -> type:
     return type("ProbeChild", (KVConnectorBase_V1,), body)
 
 
-def probe_child(holds: set[str], rewrites: bool = False) -> Any:
-    """A child holding the blocks of `holds` (request_finished says True for them)."""
+def probe_child(
+    holds: set[str],
+    rewrites: bool = False,
+    *,
+    matches: dict[str, int] | None = None,
+    tail: frozenset[str] = frozenset(),
+) -> Any:
+    """A child holding the blocks of `holds` (request_finished says True for them), matching
+    `matches` external tokens per request and accepting the partial tails of `tail`."""
     cls: Any = child_class()
     child = cls.__new__(cls)
     child._connector_metadata = None
     child.holds = holds
     child.rewrites = rewrites
     child.reports = set()
-    child.matches = {}
+    child.recving = set()
+    child.matches = matches or {}
+    child.tail = tail
     return child
 
 
@@ -134,36 +159,61 @@ def scheduler_output() -> Any:
 
 
 def worker_results(worker: Any) -> set[str]:
-    """What vLLM's model runner reads from the worker-side connector this step."""
+    """What vLLM's model runner reads from the worker-side connector this step: the
+    finished_sending ids, plus each finished_recving id as ``"recv:<id>"``."""
     if hasattr(worker, "get_transfer_results"):  # vLLM 0.30.0+
-        return set(worker.get_transfer_results(set()).finished_sending or ())
-    sending, _ = worker.get_finished(set())
-    return set(sending or ())
+        results = worker.get_transfer_results(set())
+        sending, recving = results.finished_sending, results.finished_recving
+    else:
+        sending, recving = worker.get_finished(set())
+    return set(sending or ()) | {f"recv:{r}" for r in recving or ()}
 
 
 def probe() -> ProbeReport:
     mod = _module()
-    holds_0 = {"pd"}
+    holds_0 = {"pd", "tail"}
     holds_1 = {"pd", "x"}
-    sched = multi_connector([probe_child(holds_0, rewrites=True), probe_child(holds_1)])
+    sched = multi_connector(
+        [
+            probe_child(holds_0, rewrites=True),
+            probe_child(holds_1, matches={"load": 16}, tail=frozenset({"tail"})),
+        ]
+    )
     w0, w1 = probe_child(holds_0), probe_child(holds_1)
     worker = multi_connector([w0, w1])
 
+    # "load" is scheduled with external tokens: child 1 is the one that matched, its loader.
+    sched.get_num_new_matched_tokens(request("load"), 0)
     # Metadata of step N+1 is built before request_finished(N) runs (async scheduling).
     late = pickle.loads(pickle.dumps(sched.build_connector_meta(scheduler_output())))
-    for rid in ("pd", "x", "none"):
-        sched.request_finished(request(rid), [])
+    # vLLM's scheduler registers a finished request's partial tail before request_finished;
+    # "tail" is held by child 0 (request_finished) and by child 1 (its partial tail).
+    has_tail = hasattr(mod.MultiConnector, "register_finished_partial_tail")  # vLLM 0.30.0+
+    tail = request("tail")
+    if has_tail:
+        sched.register_finished_partial_tail(tail, ([],), [(0, 0, 1)])
+    for req in (request("pd"), request("x"), request("none"), tail):
+        sched.request_finished(req, [])
     current = pickle.loads(pickle.dumps(sched.build_connector_meta(scheduler_output())))
+    following = pickle.loads(pickle.dumps(sched.build_connector_meta(scheduler_output())))
 
-    # Worker, step N+1: child 0's ACK for "pd" lands before the worker knows child 1 holds it.
+    # Worker, step N+1: child 0's ACK for "pd" lands before the worker knows child 1 holds it;
+    # child 0, which does not load "load", reports it received.
     worker.bind_connector_metadata(late)
     w0.reports = {"pd"}
+    w0.recving = {"load"}
     step1 = worker_results(worker)
-    # Step N+2: owner information arrives; child 1 finishes "pd" and "x"; a stray report.
+    # Step N+2: owner information arrives; child 1 finishes "pd" and "x" and loads "load";
+    # child 0 finishes "tail" (child 1 still saves its partial tail); a stray report.
     worker.bind_connector_metadata(current)
     w1.reports = {"pd", "x"}
-    w0.reports = {"none"}
+    w1.recving = {"load"}
+    w0.reports = {"none", "tail"}
     step2 = worker_results(worker)
+    # Step N+3: child 1 finishes the partial tail.
+    worker.bind_connector_metadata(following)
+    w1.reports = {"tail"}
+    step3 = worker_results(worker)
 
     # Scheduler: the workers' "x" (held by child 1 only) must survive child 0's hook.
     out = mod.KVConnectorOutput(finished_sending={"x"})
@@ -171,6 +221,7 @@ def probe() -> ProbeReport:
     freed_x = set(out.finished_sending or ())
 
     early = "pd" in step1 or "pd" not in step2
+    seen = f"worker reported {sorted(step1)}, {sorted(step2)}, {sorted(step3)}"
     return ProbeReport(
         (
             Check(
@@ -179,7 +230,15 @@ def probe() -> ProbeReport:
                 f"scheduler output after the children's hooks: {sorted(freed_x)}",
             ),
             Check("early-completion", early, f"worker reported {sorted(step1)} then {sorted(step2)}"),
-            Check("stray-completion", "none" in step1 | step2, f"worker reported {sorted(step1 | step2)}"),
-            Check("single-owner-completes", "x" not in step2, f"worker reported {sorted(step2)}", guard=True),
+            Check("stray-completion", "none" in step1 | step2, seen),
+            Check("stray-recving", "recv:load" in step1, seen),
+            Check(
+                "partial-tail-owner-ignored",
+                has_tail and "tail" in step2,
+                seen if has_tail else "no register_finished_partial_tail in this vLLM",
+            ),
+            Check("single-owner-completes", "x" not in step2, seen, guard=True),
+            Check("loader-recving-completes", "recv:load" not in step1 | step2, seen, guard=True),
+            Check("partial-tail-completes", has_tail and "tail" not in step2 | step3, seen, guard=True),
         )
     )
