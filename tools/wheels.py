@@ -31,7 +31,8 @@ def _modules(zf: zipfile.ZipFile, package: str) -> dict[str, str]:
     return found
 
 
-def _imports(source: str, module: str, package: str) -> set[str]:
+def _imports(source: str, module: str) -> set[str]:
+    """Every module `source` imports (absolute names), and the declaration's "module:function"s."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -45,51 +46,68 @@ def _imports(source: str, module: str, package: str) -> set[str]:
             found.update(f"{base}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             # "module:function" references (the declaration's probe / recognize / apply)
-            match = re.fullmatch(rf"({re.escape(package)}(?:\.\w+)*):\w+(?:\.\w+)*", node.value)
+            match = re.fullmatch(r"(vllm_fix\w*(?:\.\w+)*):\w+(?:\.\w+)*", node.value)
             if match:
                 found.add(match.group(1))
-    return {m for m in found if m == package or m.startswith(package + ".")}
+    return found
 
 
-def check_wheel(path: Path) -> list[str]:
-    problems = []
-    with zipfile.ZipFile(path) as zf:
-        dist_info = next(n.split("/")[0] for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-        metadata = zf.read(f"{dist_info}/METADATA").decode()
-        eps = configparser.ConfigParser()
-        if f"{dist_info}/entry_points.txt" in zf.namelist():
-            eps.read_string(zf.read(f"{dist_info}/entry_points.txt").decode())
-        packages = {n.split("/")[0] for n in zf.namelist() if "/" in n and not n.startswith(dist_info)}
-        if any(name == "tests" or name.startswith("tests/") for name in zf.namelist()):
-            problems.append(f"{path.name}: ships tests/")
-        requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
-        for line in requires:
-            if "vllm-fix-testing" in line and "extra ==" not in line:
-                problems.append(f"{path.name}: depends on the test-support package ({line})")
-        for package in packages:
-            if package == TEST_SUPPORT:
+class _Wheel:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.problems: list[str] = []
+        with zipfile.ZipFile(path) as zf:
+            dist_info = next(n.split("/")[0] for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            metadata = zf.read(f"{dist_info}/METADATA").decode()
+            eps = configparser.ConfigParser()
+            if f"{dist_info}/entry_points.txt" in zf.namelist():
+                eps.read_string(zf.read(f"{dist_info}/entry_points.txt").decode())
+            packages = {n.split("/")[0] for n in zf.namelist() if "/" in n and not n.startswith(dist_info)}
+            if any(name == "tests" or name.startswith("tests/") for name in zf.namelist()):
+                self.problems.append(f"{path.name}: ships tests/")
+            for line in metadata.splitlines():
+                if (
+                    line.startswith("Requires-Dist:")
+                    and "vllm-fix-testing" in line
+                    and "extra ==" not in line
+                ):
+                    self.problems.append(f"{path.name}: depends on the test-support package ({line})")
+            self.modules = {p: _modules(zf, p) for p in packages if p != TEST_SUPPORT}
+        entry_modules = {value.split(":")[0].strip() for s in eps.sections() for value in eps[s].values()}
+        self.roots = {p: {p, f"{p}.__about__", *entry_modules} for p in self.modules}
+
+    def reach(self, extra: set[str]) -> set[str]:
+        """Every module reached from the roots (and `extra`), other wheels' modules included."""
+        seen: set[str] = set()
+        todo = [m for roots in self.roots.values() for m in roots] + list(extra)
+        own = {m: src for mods in self.modules.values() for m, src in mods.items()}
+        while todo:
+            module = todo.pop()
+            if module in seen:
                 continue
-            modules = _modules(zf, package)
-            roots = {package, f"{package}.__about__"}
-            for section in eps.sections():
-                for value in eps[section].values():
-                    roots.add(value.split(":")[0].strip())
-            seen: set[str] = set()
-            todo = [r for r in roots if r in modules]
-            while todo:
-                module = todo.pop()
-                if module in seen:
-                    continue
-                seen.add(module)
-                todo.extend(m for m in _imports(modules[module], module, package) if m in modules)
+            seen.add(module)
+            if module in own:
+                todo.extend(_imports(own[module], module))
+        return seen
+
+
+def check_wheels(paths: list[Path]) -> list[str]:
+    """Problems of every wheel: a module that no entry point reaches, in its own wheel or from
+    another runtime wheel (a fix's probe using the core's shared stand-in, say)."""
+    wheels = [_Wheel(p) for p in paths]
+    reached_elsewhere = set().union(*(w.reach(set()) for w in wheels)) if wheels else set()
+    problems = [p for w in wheels for p in w.problems]
+    for wheel in wheels:
+        seen = wheel.reach(reached_elsewhere)
+        for modules in wheel.modules.values():
             for module in sorted(set(modules) - seen):
-                problems.append(f"{path.name}: {module} is reached by no entry point (test-only code?)")
+                problems.append(f"{wheel.path.name}: {module} is reached by no entry point (test-only code?)")
     return problems
 
 
 def main(dist: str) -> int:
     wheels = sorted(Path(dist).glob("*.whl"))
-    problems = [p for w in wheels for p in check_wheel(w)]
+    problems = check_wheels(wheels)
     for w in wheels:
         print(f"wheel {w.name}: checked")
     for p in problems:

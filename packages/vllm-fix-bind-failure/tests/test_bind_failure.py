@@ -24,7 +24,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExc
 
 def test_probe_says_affected_then_fixed() -> None:
     before = FIX.run_probe()
-    assert set(before.names(True)) == {"handshake-bind-failure-unseen", "notify-bind-failure-unseen"}
+    assert set(before.names(True)) == {
+        "handshake-bind-failure-unseen",
+        "start-up-waits-on-dead-handshake-listener",
+        "notify-bind-failure-unseen",
+    }
     assert "without setting its ready event" in before.checks[0].detail
     with applied(FIX):
         after = FIX.run_probe()

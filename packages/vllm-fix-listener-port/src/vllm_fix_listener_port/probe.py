@@ -18,13 +18,22 @@ the end. ``from_vllm_config`` reads the tensor-parallel rank; where this process
 TP group yet (the ``vllm-fixes`` command, a process before distributed init) a rank-0 of 1
 stand-in is set for the two calls and removed afterwards; a real group is used as it is.
 
-The worker half of the fix (``MoRIIOConnectorWorker.__init__``: release the hold, adopt
-the bound port) only acts around MORI's real listener, which a probe must not start in a
-live process; the package's tests drive vLLM's real ``__init__`` with MORI stood in.
+Then it builds one worker with the installed ``MoRIIOConnectorWorker.__init__`` (vLLM's
+body and whatever is layered on it), MORI stood in for the call (vllm_fix_core.moriio_probe: its listener
+binds as MORI's does, on loopback, and reports the port it is bound to), and looks at what
+the worker ends up with, as a peer and the host would see it:
+
+* the worker's and its config's ``local_kv_port`` must be the port its listener is bound to
+  (vLLM's own logs and the config report that number; 0 or a stale number is wrong);
+* once ``__init__`` has returned, no other socket of this process may still hold that port
+  (a hold meant to last until MORI's listener is up, left behind);
+* a native bind that fails with ``EADDRINUSE`` (the port vLLM chose was taken before MORI
+  bound it) is the bug itself.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import stat
@@ -35,6 +44,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_fix_core import Check, ProbeReport
+from vllm_fix_core.moriio_probe import probe_worker
 from vllm_fix_listener_port.mori_support import installed_mori
 
 HOST = "127.0.0.1"
@@ -106,12 +116,50 @@ def ports_held_here() -> set[int]:
     return held
 
 
+def worker_config() -> Any:
+    """What MoRIIOConnectorWorker.__init__ reads of a VllmConfig beyond from_vllm_config."""
+    config = vllm_config()
+    config.cache_config = SimpleNamespace(block_size=16, cache_dtype="auto")
+    config.model_config = SimpleNamespace(use_mla=False, dtype="bfloat16", get_head_size=lambda: 128)
+    config.scheduler_config = SimpleNamespace(disable_hybrid_kv_cache_manager=True)
+    return config
+
+
+def _worker_port() -> tuple[bool, str]:
+    """Build one worker through the installed __init__: is it on the port its listener bound?"""
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector, moriio_engine
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    no_cache = KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
+    name = "vllm-fix-listener-port-probe"
+    try:
+        with probe_worker(moriio_connector, moriio_engine, worker_config(), no_cache, name) as worker:
+            engine = worker.moriio_engine
+            listener = engine.listener
+            if listener is None:
+                raise RuntimeError("the RDMA backend opened no listener")
+            bound = int(listener.getsockname()[1])
+            recorded = [int(worker.local_kv_port), int(worker.moriio_config.local_kv_port)]
+            engine.close()  # MORI's listener gone: what still holds the port is ours
+            still_held = bound in ports_held_here()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        return True, f"MORI's listener could not bind the kv port vLLM chose: {exc}"
+    if recorded != [bound, bound]:
+        return True, f"worker / config local_kv_port {recorded}, its listener is bound to {bound}"
+    if still_held:
+        return True, f"kv port {bound} still held by another socket of this process after __init__"
+    return False, ""
+
+
 def probe() -> ProbeReport:
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common
 
     mori = installed_mori()
     with tp_group():
         configs = [moriio_common.MoRIIOConfig.from_vllm_config(vllm_config()) for _ in range(2)]
+        worker = _worker_port()
     ports = [int(c.local_kv_port) for c in configs]
     here = ports_held_here()
     released = [p for p in ports if p != 0 and p not in here]
@@ -126,6 +174,7 @@ def probe() -> ProbeReport:
     return ProbeReport(
         (
             Check("kv-port-released-before-native-bind", bool(released), detail),
+            Check("worker-kv-port-not-its-listeners", worker[0], worker[1]),
             # Guard: port 0 is only right where MORI reports the port it auto-bound.
             Check(
                 "kv-port-0-reported-by-mori",
