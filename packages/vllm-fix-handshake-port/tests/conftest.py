@@ -69,6 +69,24 @@ def make_worker(mods: SimpleNamespace, ranks: Callable[[int, int], None]) -> Ite
 
 
 @pytest.fixture
+def engine_core_tp_group(monkeypatch: pytest.MonkeyPatch, mods: SimpleNamespace) -> Callable[[], None]:
+    """From here on this process has no TP group, as the engine core that runs the scheduler:
+    vLLM's own getters (they raise there) replace the stand-ins of ``ranks``."""
+
+    def enter() -> None:
+        from vllm.distributed import parallel_state
+
+        for module in (mods.common, mods.connector):
+            for name in ("get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"):
+                if hasattr(module, name):
+                    monkeypatch.setattr(module, name, getattr(parallel_state, name))
+        with pytest.raises(AssertionError):
+            mods.connector.get_tensor_model_parallel_world_size()
+
+    return enter
+
+
+@pytest.fixture
 def free_bases() -> Callable[[int], tuple[int, int]]:
     return free_port_blocks
 

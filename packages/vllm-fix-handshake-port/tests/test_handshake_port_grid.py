@@ -333,9 +333,13 @@ def test_write_allocation_notify_reaches_the_prefill_dp_rank(
     make_worker: Callable[..., Any],
     startup: Callable[[Any], Any],
     free_bases: Callable[[int], tuple[int, int]],
+    engine_core_tp_group: Callable[[], None],
     patched: bool,
 ) -> None:
-    """Decode scheduler -> every prefill TP rank of the chosen DP rank (real sender, real listeners)."""
+    """Decode scheduler -> every prefill TP rank of the chosen DP rank (real sender, real listeners).
+
+    The scheduler runs as in the engine core, without a TP group (vLLM's getters raise): a
+    sender that leaves the TP size to this process's TP group would be seen here."""
     hb, nb = free_bases(4)
     order = [(0, 0), (0, 1), (1, 1), (1, 0)]
     with applied(FIX) if patched else _nothing():
@@ -344,6 +348,7 @@ def test_write_allocation_notify_reaches_the_prefill_dp_rank(
             s = startup(workers[rank])
             if patched or rank != (1, 0):
                 assert s.wait(10) and s.error is None
+        engine_core_tp_group()
         sched = _write_scheduler(mods, 2)
         transfer = _allocate(mods, sched, 1, nb, 2)
         if patched:

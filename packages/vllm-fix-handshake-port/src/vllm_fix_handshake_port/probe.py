@@ -6,12 +6,17 @@ runs) for the ranks of a DP_local x TP = 2 x 2 engine, and reads the ports they 
 * listener: ``MoRIIOConfig.from_vllm_config`` (the notify port each rank binds; the
   handshake port of ``MoRIIOConnectorWorker.__init__`` uses the same offset and needs a
   MORI engine to run, so it is not driven);
-* scheduler sender: ``MoRIIOConnectorScheduler._release_write_prefill_blocks`` (the ports
-  a release for DP rank d goes to; its ``_send_transfer_release`` is answered by a
-  recorder on the instance, as vLLM's own tests do);
+* scheduler senders, on a decode-side scheduler as the engine core has it (no TP group in
+  that process): ``MoRIIOConnectorScheduler._release_write_prefill_blocks`` (the ports a
+  release for DP rank d goes to) and ``update_state_after_alloc`` in WRITE mode (the
+  ports its "blocks ready" notify for DP rank d goes to); ``_send_transfer_release`` /
+  ``send_notify_block`` are answered by recorders on the instance, as vLLM's own tests do;
 * WRITE notify sender: ``MoRIIOWriter._execute_write_task`` then ``_finalize_if_complete``
   (the port the completion goes to), on a real ``MoRIIOWriter`` with vLLM's own
   ``WriteTask`` / ``RemoteAllocInfo``; the transport (``send_notify``) is a recorder;
+* handshake dialer: ``MoRIIOConnectorWorker._moriio_handshake`` for every prefill rank
+  (the port it dials: the base it is given is an ``int`` that records the offset added to
+  it and stops the dial there, before any socket is made);
 * layout: ``from_vllm_config`` with notify_port inside the handshake block (overlap).
 
 ``from_vllm_config`` reads the TP group (``get_tensor_model_parallel_rank`` /
@@ -19,6 +24,14 @@ runs) for the ranks of a DP_local x TP = 2 x 2 engine, and reads the ports they 
 opens none, so those three names of ``moriio_common`` answer for the probe's rank for
 the duration of the probe (under a lock, restored after). Nothing else is set: the TP
 size the fix needs is read by the installed code from the same getter vLLM reads.
+While the scheduler senders and the dialer run, the TP-group getters of ``moriio_common`` and
+``moriio_connector`` answer as vLLM's do in an engine core without a TP group (they
+raise), whatever process the probe runs in: a sender that does not size the offset
+with the peer's TP size is then seen even where this process has a TP group of the
+peer's size.
+
+Every expected port is a port a listener site of the installed vLLM computed
+(``from_vllm_config``) or a constant of the spec; no code of the fix computes one.
 """
 
 from __future__ import annotations
@@ -50,31 +63,50 @@ def _mods() -> tuple[ModuleType, ModuleType, ModuleType]:
 
 
 class _Rank:
-    """The rank the TP-group getters answer for while the probe runs."""
+    """The rank the TP-group getters answer for while the probe runs (``in_group`` False:
+    no TP group, as in an engine core; the getters raise as vLLM's do)."""
 
     tp_rank = 0
     tp_size = TP
+    in_group = True
+
+    def rank(self) -> int:
+        if not self.in_group:
+            raise AssertionError("tensor model parallel group is not initialized")
+        return self.tp_rank
+
+    def size(self) -> int:
+        if not self.in_group:
+            raise AssertionError("tensor model parallel group is not initialized")
+        return self.tp_size
 
 
 @contextmanager
-def _tp_group(common: ModuleType, rank: _Rank) -> Iterator[None]:
-    names = {
-        "get_tensor_model_parallel_rank": lambda: rank.tp_rank,
-        "get_tensor_model_parallel_world_size": lambda: rank.tp_size,
-        "get_open_port": lambda: 0,
+def _tp_group(common: ModuleType, connector: ModuleType, rank: _Rank) -> Iterator[None]:
+    getters = {
+        "get_tensor_model_parallel_rank": rank.rank,
+        "get_tensor_model_parallel_world_size": rank.size,
     }
+    layers: list[tuple[ModuleType, dict[str, Any]]] = [
+        (common, {**getters, "get_open_port": lambda: 0}),
+        (connector, {name: value for name, value in getters.items() if name in vars(connector)}),
+    ]
     with _LOCK:
-        saved = {name: vars(common)[name] for name in names if name in vars(common)}
+        saved = [
+            (module, {n: vars(module)[n] for n in names if n in vars(module)}) for module, names in layers
+        ]
         try:
-            for name, value in names.items():
-                setattr(common, name, value)
+            for module, names in layers:
+                for name, value in names.items():
+                    setattr(module, name, value)
             yield
         finally:
-            for name in names:
-                if name in saved:
-                    setattr(common, name, saved[name])
-                else:
-                    delattr(common, name)
+            for (module, names), (_, old) in zip(layers, saved, strict=True):
+                for name in names:
+                    if name in old:
+                        setattr(module, name, old[name])
+                    else:
+                        delattr(module, name)
 
 
 def _vllm_config(dp_rank: int, notify: int = NOTIFY) -> Any:
@@ -130,6 +162,91 @@ def _release_ports(connector: ModuleType, dp: int) -> set[int]:
     }
     scheduler._release_write_prefill_blocks("probe-request", params)
     return set(sent)
+
+
+def _alloc_notify_ports(connector: ModuleType, common: ModuleType, dp: int) -> list[int]:
+    """The ports vLLM's WRITE-mode ``update_state_after_alloc`` sends "blocks ready" to, on a
+    decode scheduler (TP size TP), for a request whose prefill ran on DP rank ``dp``."""
+    sent: list[int] = []
+
+    def send_notify_block(*args: Any, **kwargs: Any) -> None:
+        port = kwargs["port"] if "port" in kwargs else args[4]
+        sent.append(int(port))
+
+    scheduler = connector.MoRIIOConnectorScheduler.__new__(connector.MoRIIOConnectorScheduler)
+    fields: dict[str, Any] = {
+        "tp_size": TP,
+        "mode": common.MoRIIOMode.WRITE,
+        "is_producer": False,
+        "_has_mamba": False,
+        "_global_dp_rank": 0,
+        "_is_kv_master": True,
+        "transfer_id_to_request_id": {},
+        "request_id_to_transfer_id": {},
+        "_reqs_need_save": {},
+        "_reqs_need_recv": {},
+        "_req_kv_params": {},
+        "paths": {},
+        "send_notify_block": send_notify_block,
+    }
+    vars(scheduler).update(fields)
+    params = {
+        "do_remote_prefill": True,
+        "transfer_id": f"probe-alloc-{dp}",
+        "remote_dp_rank": dp,
+        "is_request_leader": True,
+        "remote_host": HOST,
+        "remote_notify_port": NOTIFY,
+        "remote_tp_size": TP,
+        "remote_dp_size": DP_LOCAL,
+        "remote_dp_size_local": DP_LOCAL,
+    }
+    request = SimpleNamespace(request_id=f"probe-alloc-request-{dp}", kv_transfer_params=params)
+    blocks = SimpleNamespace(get_block_ids=lambda: [[3, 4]])
+    scheduler.update_state_after_alloc(request, blocks, 32)  # 32 tokens to fetch: not a local hit
+    return sent
+
+
+class _Dialed(Exception):
+    """Raised by :class:`_DialPort` the moment the dialer adds its offset: the dial stops there."""
+
+    def __init__(self, offset: int | None) -> None:
+        super().__init__(offset)
+        self.offset = offset
+
+
+class _DialPort(int):
+    """The handshake base as the dialer receives it: ``base + offset`` records the offset and
+    stops the dial before any socket is made."""
+
+    def __add__(self, other: Any) -> int:
+        raise _Dialed(int(other))
+
+    __radd__ = __add__
+
+
+class _UnusableHost:
+    """A host no socket path can be made of: should a dialer not add to the port first, it
+    stops here rather than dial anything."""
+
+    def __format__(self, spec: str) -> str:
+        raise _Dialed(None)
+
+    def __str__(self) -> str:
+        raise _Dialed(None)
+
+
+def _dial_offset(connector: ModuleType, dp: int, tp: int) -> int | None:
+    """The offset vLLM's ``MoRIIOConnectorWorker._moriio_handshake`` dials for prefill rank
+    (dp, tp) of a TP engine, from decode rank tp of a TP engine (homogeneous: it dials its
+    own TP index)."""
+    worker = connector.MoRIIOConnectorWorker.__new__(connector.MoRIIOConnectorWorker)
+    vars(worker).update(tp_rank=tp, world_size=TP)
+    try:
+        worker._moriio_handshake(_UnusableHost(), _DialPort(HANDSHAKE), TP, "probe-prefill", dp)
+    except _Dialed as dialed:
+        return dialed.offset
+    return None  # returned without dialing: not a dial this probe knows
 
 
 class _Transport:
@@ -196,10 +313,14 @@ def _write_notify_port(common: ModuleType, engine: ModuleType, dp: int, tp: int)
 def probe() -> ProbeReport:
     common, connector, engine = _mods()
     rank = _Rank()
-    with _tp_group(common, rank):
+    with _tp_group(common, connector, rank):
         listen = _listener_ports(common, rank)
         rank.tp_rank = 0
         layout_accepted = _layout_accepted(common)
+        rank.in_group = False  # the scheduler senders run in the engine core: no TP group there
+        releases = {dp: _release_ports(connector, dp) for dp in range(DP_LOCAL)}
+        allocs = {dp: _alloc_notify_ports(connector, common, dp) for dp in range(DP_LOCAL)}
+        dials = {r: _dial_offset(connector, *r) for r in listen}
     owners: dict[int, tuple[int, int]] = {}
     collisions = []
     for r, port in listen.items():
@@ -207,13 +328,20 @@ def probe() -> ProbeReport:
             collisions.append(f"ranks {owners[port]} and {r} both bind notify port {port}")
         owners.setdefault(port, r)
     release_misses = []
+    alloc_misses = []
     write_misses = []
     for dp in range(DP_LOCAL):
         want = {listen[(dp, tp)] for tp in range(TP)}
-        got = _release_ports(connector, dp)
+        got = releases[dp]
         if got != want:
             release_misses.append(
                 f"a release for DP rank {dp} goes to {sorted(got)}, its ranks listen on {sorted(want)}"
+            )
+        # One "blocks ready" notify per prefill TP rank of DP rank dp, each at its listener.
+        if sorted(allocs[dp]) != sorted(want) or len(allocs[dp]) != TP:
+            alloc_misses.append(
+                f'WRITE "blocks ready" for DP rank {dp} goes to {sorted(allocs[dp])}, '
+                f"its ranks listen on {sorted(want)}"
             )
         for tp in range(TP):
             notify = _write_notify_port(common, engine, dp, tp)
@@ -221,12 +349,13 @@ def probe() -> ProbeReport:
                 write_misses.append(
                     f"WRITE completion for {(dp, tp)} goes to {notify}, it listens on {listen[(dp, tp)]}"
                 )
-    # The handshake dialer (_moriio_handshake) names the listener's TP size.
+    # The handshake listener of rank r binds handshake_port + the offset its notify port has.
     dial_misses = [
-        f"the handshake dial for {r} goes to {HANDSHAKE + dial}, it listens on {HANDSHAKE + port - NOTIFY}"
+        f"the handshake dial for {r} goes to "
+        f"{'no port' if dials[r] is None else HANDSHAKE + int(dials[r] or 0)}, "
+        f"it listens on {HANDSHAKE + port - NOTIFY}"
         for r, port in listen.items()
-        for dial in [int(connector.get_port_offset(r[0], r[1], TP))]
-        if NOTIFY + dial != port
+        if dials[r] is None or NOTIFY + int(dials[r] or 0) != port
     ]
     explicit = common.get_port_offset(3, 1, 4)
     return ProbeReport(
@@ -243,6 +372,9 @@ def probe() -> ProbeReport:
             ),
             # Guards: the senders must reach the ranks' listeners, whatever the convention.
             Check("release-misses-listener", bool(release_misses), "; ".join(release_misses[:1]), guard=True),
+            Check(
+                "alloc-notify-misses-listener", bool(alloc_misses), "; ".join(alloc_misses[:1]), guard=True
+            ),
             Check(
                 "write-notify-misses-listener", bool(write_misses), "; ".join(write_misses[:1]), guard=True
             ),
