@@ -11,8 +11,11 @@ from vllm_fix_read_eligibility import FIX
 
 
 @pytest.fixture(autouse=True)
-def _unpatched() -> Iterator[None]:
-    """Every test starts and ends on unpatched vLLM."""
+def _unpatched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test starts and ends on unpatched vLLM, with a fresh warning budget."""
+    from vllm_fix_read_eligibility import patch
+
+    monkeypatch.setattr(patch, "WARN_LIMIT", patch._WarnLimit())
     runtime.revert(FIX)
     yield
     runtime.revert(FIX)

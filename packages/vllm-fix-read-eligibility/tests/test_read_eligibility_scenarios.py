@@ -15,10 +15,11 @@ from packaging.version import Version
 
 from vllm_fix_read_eligibility import FIX
 from vllm_fix_read_eligibility.patch import block_layout
-from vllm_fix_read_eligibility.probe import MALFORMED, PLAIN, PROMPT, consumer, matched, request, well_formed
+from vllm_fix_read_eligibility.probe import PLAIN, PROMPT, consumer, malformed, matched, request, well_formed
 from vllm_fix_testing import applied, vllm_version
 
 PLAIN_FIXED_UPSTREAM = vllm_version() >= Version("0.33.0")
+MALFORMED = malformed(block_layout())
 
 
 @pytest.mark.parametrize("case", sorted(PLAIN))
@@ -49,7 +50,7 @@ def test_malformed_params_warn_once_naming_the_request(caplog: pytest.LogCapture
     assert first == second == (0, False)
     warnings = [r for r in caplog.records if "req-malformed-7" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
-    assert "no blocks for KV cache group 0" in warnings[0].getMessage()
+    assert "no blocks in KV cache group 0" in warnings[0].getMessage()
     assert req.kv_transfer_params["do_remote_prefill"] is False  # nothing will be queued for it
 
 

@@ -22,7 +22,13 @@ from vllm_fix_core import (
 from vllm_fix_read_eligibility import FIX, patch
 from vllm_fix_read_eligibility.probe import PROMPT, consumer, matched
 from vllm_fix_read_eligibility.rule import BlockLayout
-from vllm_fix_testing import STRICT, applied, assert_hostile_wrapper_fails, vllm_version
+from vllm_fix_testing import (
+    STRICT,
+    applied,
+    assert_every_target_observed,
+    assert_hostile_wrapper_fails,
+    vllm_version,
+)
 
 FINGERPRINT = {Version("0.32.0"): "c98f56e1ca0f0001", Version("0.33.0"): "0a8992648f2c81ed"}
 LENIENT = Settings(disabled=frozenset(), strict=False)
@@ -115,3 +121,28 @@ def test_decision_on_this_release() -> None:
         assert decision.after is not None and not decision.after.affected
     finally:
         runtime.revert(FIX)
+
+
+def test_every_patched_target_is_observed() -> None:
+    """vLLM's original layered over each patched target alone: "failed to fix" every time
+    (the fix is needed on every supported release: malformed params claim everywhere)."""
+    decisions = assert_every_target_observed(FIX)
+    assert list(decisions) == ["MoRIIOConnectorScheduler.get_num_new_matched_tokens"]
+
+
+@pytest.mark.parametrize("broken", ["malformed_reason", "routing_reason", "needed_blocks"])
+def test_a_broken_rule_fails_verification(monkeypatch: pytest.MonkeyPatch, broken: str) -> None:
+    """Break what the patch module decides by, at the reference it holds: the probe, whose
+    expectations come from the rule table, must say "failed to fix" and the ladder reverts."""
+    answers: dict[str, object] = {"malformed_reason": None, "routing_reason": None, "needed_blocks": None}
+
+    def accept_all(*args: object, **kwargs: object) -> object:
+        return answers[broken]
+
+    monkeypatch.setattr(patch, broken, accept_all)
+    cls = scheduler_class()
+    original = cls.__dict__[patch.TARGET]
+    decision = evaluate(FIX, LENIENT, apply=True, honour_disable=False)
+    assert decision.rung is Rung.FAILED, decision.reason
+    assert decision.after is not None and "malformed-params-claim-remote-kv" in decision.after.names(True)
+    assert cls.__dict__[patch.TARGET] is original and layers_of(cls, patch.TARGET) == []

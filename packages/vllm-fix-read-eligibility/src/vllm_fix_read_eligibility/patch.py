@@ -8,9 +8,14 @@ remote prefill) is vLLM's own answer. It needs from vLLM exactly what it reads:
 * the call ``get_num_new_matched_tokens(self, request, num_computed_tokens)``;
 * the two attributes vLLM's own body decides by, ``self.is_producer`` and ``self.mode``
   (compared with ``MoRIIOMode.READ``);
-* ``request.kv_transfer_params``;
+* ``request.kv_transfer_params``, ``request.request_id``, ``request.num_prompt_tokens``;
 * the block-id layout the connector exchanges (per KV cache group where the connector
-  supports the hybrid KV cache manager, flat before).
+  supports the hybrid KV cache manager, flat before);
+* what this engine reads per KV cache group (asked of the connector itself: its
+  ``get_exchange_clipped_blocks`` / hybrid group ids / ``block_size``), and where
+  MoRIIO's own ``MoRIIOConnectorMetadata.add_new_req`` would route the READ (run on a
+  throwaway metadata object). Where the engine's groups cannot be read, only the
+  per-group checks that need no engine facts apply.
 
 ``recognize`` checks those on the installed method (a known fingerprint only names the
 shape), so a body that decides by something else is refused, not wrapped.
@@ -20,11 +25,20 @@ from __future__ import annotations
 
 import ast
 import inspect
+import threading
+import time
 from collections.abc import MutableMapping
 from typing import Any
 
 from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger, original_of
-from vllm_fix_read_eligibility.rule import BlockLayout, malformed_reason, wants_remote_prefill
+from vllm_fix_core.log import is_probing
+from vllm_fix_read_eligibility.rule import (
+    BlockLayout,
+    malformed_reason,
+    params_route_reason,
+    route_reason,
+    wants_remote_prefill,
+)
 
 TARGET = "get_num_new_matched_tokens"
 # Normalized-AST fingerprints (vllm_fix_core.ast_fingerprint) of the bodies seen in
@@ -86,7 +100,91 @@ def recognize() -> str:
     return f"{name}/{block_layout().value}"
 
 
-def _make_wrapper(read_mode: Any, layout: BlockLayout) -> Any:
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def needed_blocks(instance: Any, layout: BlockLayout, num_prompt_tokens: Any) -> tuple[int, ...] | None:
+    """Per block list this engine reads, the fewest remote blocks covering a claim of
+    every prompt token but the last (tokens ``[0, N-1)``), asked of the connector; None
+    where the connector's groups cannot be read (never raises)."""
+    try:
+        end = max(int(num_prompt_tokens) - 1, 0)
+        if layout is BlockLayout.FLAT:
+            return (_cdiv(end, int(instance.block_size)),)
+        groups = instance.kv_cache_config.kv_cache_groups
+        if getattr(instance, "_has_mamba", False):
+            # Hybrid READ: the attention group first, then one running-state slot per
+            # Mamba group (vLLM's split_block_groups).
+            attn = groups[instance._attn_group_ids[0]].kv_cache_spec.block_size
+            return (_cdiv(end, int(attn)), *(1 for _ in instance._mamba_group_ids))
+        # Blocks for tokens [0, N-1) in every group, clipped the way the connector clips
+        # what it reads (transfer groups only, the last window for sliding windows).
+        local = [list(range(_cdiv(end, int(g.kv_cache_spec.block_size)))) for g in groups]
+        return tuple(len(g) for g in instance.get_exchange_clipped_blocks(local))
+    except Exception:  # an engine we cannot read: fall back to the checks needing no facts
+        return None
+
+
+def routing_reason(mc: Any, request_id: Any, params: dict[str, Any]) -> str | None:
+    """The routing fields, then where MoRIIO's own add_new_req routes this READ; never raises."""
+    reason = params_route_reason(params)
+    if reason:
+        return reason
+    trial = dict(params)
+    trial["transfer_id"] = params.get("transfer_id") or f"sidecar-{request_id}"  # as vLLM does
+    meta = mc.MoRIIOConnectorMetadata()
+    try:
+        meta.add_new_req(request_id=request_id, local_block_ids=[], kv_transfer_params=trial)
+        req = meta.reqs_to_recv[request_id]
+    except Exception as exc:  # what would fail vLLM's scheduler step
+        return f"MoRIIO cannot route its READ ({type(exc).__name__}: {exc})"
+    return route_reason(req.remote_host, req.remote_handshake_port, req.remote_notify_port)
+
+
+class _WarnLimit:
+    """At most `burst` warnings per `window` seconds; the next one says how many were held back."""
+
+    def __init__(self, burst: int = 10, window: float = 60.0) -> None:
+        self.burst, self.window = burst, window
+        self._lock = threading.Lock()
+        self._start = -window
+        self._sent = 0
+        self.suppressed = 0
+
+    def allow(self) -> tuple[bool, int]:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._start >= self.window:
+                self._start, self._sent = now, 0
+            if self._sent < self.burst:
+                self._sent += 1
+                held, self.suppressed = self.suppressed, 0
+                return True, held
+            self.suppressed += 1
+            return False, 0
+
+
+WARN_LIMIT = _WarnLimit()
+
+
+def _warn(request_id: Any, reason: str) -> None:
+    if is_probing():  # the probe's own requests do not spend the budget (their lines are dropped)
+        return
+    ok, held = WARN_LIMIT.allow()
+    if not ok:
+        return
+    _logger.warning(
+        "MoRIIO READ: request %s asked for a remote prefill but its kv_transfer_params "
+        "cannot drive a READ of the tokens it would claim (%s); recomputing its prompt "
+        "locally instead%s",
+        request_id,
+        reason,
+        f" ({held} more such requests not logged)" if held else "",
+    )
+
+
+def _make_wrapper(mc: Any, read_mode: Any, layout: BlockLayout) -> Any:
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Producer, WRITE mode, or a class-level call: vLLM's own rule, untouched.
         if instance is None or instance.is_producer or instance.mode != read_mode:
@@ -96,15 +194,22 @@ def _make_wrapper(read_mode: Any, layout: BlockLayout) -> Any:
         if not wants_remote_prefill(params):
             # Plain, preempted-and-resumed, already loaded, load-failure retry.
             return 0, False
-        reason = malformed_reason(params, layout)
+        answer = wrapped(*args, **kwargs)
+        try:
+            claimed = int(answer[0])
+        except Exception:  # not vLLM's (tokens, async) pair: its answer, untouched
+            return answer
+        # Checked even when nothing is claimed (a full local prefix hit): vLLM still
+        # queues a notify-only READ from these params, and routes it.
+        num_tokens = getattr(request, "num_prompt_tokens", None)
+        needed = needed_blocks(instance, layout, num_tokens)
+        reason = malformed_reason(params, layout, needed, claimed)
+        request_id = getattr(request, "request_id", "?")
         if reason is None:
-            return wrapped(*args, **kwargs)
-        _logger.warning(
-            "MoRIIO READ: request %s asked for a remote prefill but its kv_transfer_params "
-            "cannot drive a READ (%s); recomputing its prompt locally instead",
-            getattr(request, "request_id", "?"),
-            reason,
-        )
+            reason = routing_reason(mc, request_id, dict(params))
+        if reason is None:
+            return answer
+        _warn(request_id, reason)
         # vLLM clears the flag once it has handled the request's one READ; do it now, so
         # update_state_after_alloc queues nothing from these params and a later query
         # (after preemption, say) does not warn again.
@@ -118,4 +223,4 @@ def _make_wrapper(read_mode: Any, layout: BlockLayout) -> Any:
 def apply(patch: PatchSet, shape: str) -> None:
     layout = BlockLayout(shape.rpartition("/")[2]) if "/" in shape else block_layout()
     mc = _mc()
-    patch.wrap(mc.MoRIIOConnectorScheduler, TARGET, _make_wrapper(mc.MoRIIOMode.READ, layout))
+    patch.wrap(mc.MoRIIOConnectorScheduler, TARGET, _make_wrapper(mc, mc.MoRIIOMode.READ, layout))
