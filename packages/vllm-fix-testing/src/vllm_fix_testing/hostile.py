@@ -168,13 +168,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Per-target check for every installed fix this vLLM needs; JSON lines on stdout."""
     from vllm_fix_core import registry
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--fix", action="append", default=[], help="only this fix id (repeatable)")
     args = parser.parse_args(argv)
     fixes = [i.fix for i in registry.installed_fixes() if not args.fix or i.fix.id in args.fix]
     failed = 0
     for fix in fixes:
-        decision = evaluate(fix, Settings(disabled=frozenset(), strict=False), apply=False, honour_disable=False)
+        decision = evaluate(
+            fix, Settings(disabled=frozenset(), strict=False), apply=False, honour_disable=False
+        )
         if decision.rung is not Rung.EVALUATED:
             print(json.dumps({"fix": fix.id, "answer": decision.rung.value, "targets": {}}), flush=True)
             continue
