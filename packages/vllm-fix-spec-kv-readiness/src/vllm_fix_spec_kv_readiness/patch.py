@@ -177,3 +177,11 @@ def apply(patch: PatchSet, shape: str) -> None:
     else:
         patch.wrap(cls, "post_forward", _post_forward_after_draft)
     patch.wrap(au.AsyncOutput, "get_output", _get_output)
+    patch.on_revert(_forget)
+
+
+def _forget() -> None:
+    """Reverted, vLLM's own methods take nothing from these tables: drop what is still listed
+    (outputs and their events, a deferred output never finalized)."""
+    STEP_DONE.clear()
+    _PENDING.clear()

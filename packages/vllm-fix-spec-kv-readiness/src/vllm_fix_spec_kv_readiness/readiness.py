@@ -146,6 +146,11 @@ class StepDone:
             entry = self._events.pop(id(output), None)
         return entry[1] if entry is not None and entry[0] is output else None
 
+    def clear(self) -> None:
+        """Forget every listed output (the fix reverted: nothing will take them any more)."""
+        with self._lock:
+            self._events.clear()
+
     def __len__(self) -> int:
         return len(self._events)
 

@@ -6,8 +6,10 @@ import ast
 import inspect
 from typing import Any
 
-from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast
+from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger
 from vllm_fix_sync_load_context.rule import full_step_context
+
+_logger = get_logger("sync-load-context")
 
 # Normalized-AST fingerprints (vllm_fix_core.ast_fingerprint) of the known targets:
 # ActiveKVConnector.pre_forward and the _start_load_kv it calls (identical in both).
@@ -114,6 +116,21 @@ def recognize() -> str:
     return "structural"
 
 
+class _Once:
+    """One WARNING per kind of problem per process (a FULL step runs many times a second)."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def warn(self, kind: str, message: str, *args: Any) -> None:
+        if kind not in self.seen:
+            self.seen.add(kind)
+            _logger.warning(message, *args)
+
+
+_WARN = _Once()
+
+
 def _make_wrapper(fc: Any) -> Any:
     available = fc.is_forward_context_available
     override = fc.override_forward_context
@@ -129,8 +146,26 @@ def _make_wrapper(fc: Any) -> Any:
         scheduler_output = args[0] if args else kwargs.get("scheduler_output")
         if not getattr(scheduler_output, "has_sync_kv_loads", False):
             return wrapped(*args, **kwargs)
+        # A batch without a padded token count has no FULL graph size to describe: vLLM's
+        # own fallback context, as unpatched.
+        if getattr(input_batch, "num_tokens_after_padding", None) is None:
+            _WARN.warn(
+                "no-padding",
+                "a FULL-replay step's input batch has no num_tokens_after_padding: its synchronous "
+                "KV load runs in vLLM's fallback context (as without the fix)",
+            )
+            return wrapped(*args, **kwargs)
         attn_metadata = args[2] if len(args) > 2 else kwargs.get("attn_metadata")
-        context = full_step_context(instance.vllm_config, attn_metadata, input_batch)
+        try:
+            context = full_step_context(instance.vllm_config, attn_metadata, input_batch)
+        except Exception as exc:  # never raise where vLLM does not: fall back to vLLM's path
+            _WARN.warn(
+                "context",
+                "could not build the FULL-replay step's forward context (%r): its synchronous KV "
+                "load runs in vLLM's fallback context (as without the fix)",
+                exc,
+            )
+            return wrapped(*args, **kwargs)
         # Closed before the runner replays, also when the connector raises.
         with override(context):
             return wrapped(*args, **kwargs)

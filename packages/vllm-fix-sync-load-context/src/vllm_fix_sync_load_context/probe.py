@@ -16,7 +16,10 @@ from typing import Any
 
 from vllm_fix_core import Check, NotApplicable, ProbeReport
 
-NUM_REQS = 2
+# The FULL step: 3 decodes padded to a captured graph of 4 (the padded count differs from the
+# scheduled one, so a context built from the unpadded batch is seen as wrong).
+NUM_REQS = 3
+PADDED_TO = 4
 
 
 @dataclass
@@ -171,23 +174,26 @@ class StandInRunner:
         return [None], self.slot_mappings
 
 
-def step_batch(num_reqs: int = NUM_REQS) -> Any:
-    """A uniform-decode batch (one token per request), as MRV2's InputBatch exposes it."""
+def step_batch(num_reqs: int = NUM_REQS, padded_to: int = PADDED_TO) -> Any:
+    """A uniform-decode batch (one token per request) padded to `padded_to` tokens, as MRV2's
+    InputBatch exposes it."""
     import numpy as np
     import torch
 
+    is_padding = torch.zeros(padded_to, dtype=torch.bool)
+    is_padding[num_reqs:] = True
     return SimpleNamespace(
         req_ids=[f"probe-{i}" for i in range(num_reqs)],
         num_reqs=num_reqs,
-        num_reqs_after_padding=num_reqs,
+        num_reqs_after_padding=padded_to,
         idx_mapping=torch.arange(num_reqs, dtype=torch.int32),
         idx_mapping_np=np.arange(num_reqs),
         num_scheduled_tokens=np.ones(num_reqs, dtype=np.int32),
         num_tokens=num_reqs,
-        num_tokens_after_padding=num_reqs,
-        input_ids=torch.zeros(num_reqs, dtype=torch.int64),
-        positions=torch.zeros(num_reqs, dtype=torch.int64),
-        is_padding=torch.zeros(num_reqs, dtype=torch.bool),
+        num_tokens_after_padding=padded_to,
+        input_ids=torch.zeros(padded_to, dtype=torch.int64),
+        positions=torch.zeros(padded_to, dtype=torch.int64),
+        is_padding=is_padding,
         seq_lens=torch.ones(num_reqs, dtype=torch.int32),
         dcp_local_seq_lens=None,
     )
@@ -270,9 +276,11 @@ def probe() -> ProbeReport:
     else:
         if load["mode"] != CUDAGraphMode.FULL or load["attn_metadata"] is not attn:
             wrong.append(_describe(load, attn))
+        # Expected from the step the probe built (the graph replays the padded batch), not
+        # from anything the fix computes.
         desc = load["batch_descriptor"]
-        if desc is None or desc.num_tokens != batch.num_tokens_after_padding:
-            wrong.append(f"batch_descriptor={desc!r}")
+        if desc is None or (desc.num_tokens, desc.num_reqs) != (PADDED_TO, PADDED_TO):
+            wrong.append(f"batch_descriptor={desc!r}, the replayed graph is {PADDED_TO} tokens / requests")
         if load["is_padding"] is not NO_FIELD and load["is_padding"] is not batch.is_padding:
             wrong.append("is_padding is not the step's")
     ordered = full.events[:2] == ["start_load_kv", "replay"]
