@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_fix_core import NotApplicable, PatchSet, UnknownShape, ast_fingerprint, original_of
+from vllm_fix_core import NotApplicable, PatchSet, UnknownShape, ast_fingerprint, get_logger, original_of
 from vllm_fix_mr_extent.rule import (
     PAGE_SIZE,
     Region,
@@ -28,6 +28,8 @@ MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 
 # Normalized-AST fingerprint (vllm_fix_core.ast_fingerprint) of the known target.
 KNOWN_SHAPES = {"9d889e36e282c898": "vllm-0.29.0..0.33.0"}
+
+_logger = get_logger("mr-extent")
 
 
 def _module() -> Any:
@@ -72,8 +74,8 @@ def registration_tensor(anchor: Any, plan: SharedMRPlan) -> Any:
     return view
 
 
-def build_shared_kv_mr(self: Any, kv_caches: dict[str, Any]) -> tuple[Any, dict[str, int]]:
-    """Replacement body of MoRIIOConnectorWorker._build_shared_kv_mr (the rule in rule.py)."""
+def planned_shared_kv_mr(self: Any, kv_caches: dict[str, Any]) -> tuple[Any, dict[str, int]]:
+    """The registration by the rule in rule.py; SharedMRError when the rule cannot hold."""
     regions = collect_regions(kv_caches, self.layer_to_spec)
     layer_ptrs = {layer: int(cache.data_ptr()) for layer, cache in kv_caches.items()}
     plan = plan_shared_mr(regions, layer_ptrs, PAGE_SIZE)
@@ -84,6 +86,34 @@ def build_shared_kv_mr(self: Any, kv_caches: dict[str, Any]) -> tuple[Any, dict[
             f"registration regions are on {plan.storage.describe()}"
         )
     return registration_tensor(anchor, plan), dict(plan.offsets)
+
+
+def build_shared_kv_mr(self: Any, kv_caches: dict[str, Any]) -> tuple[Any, dict[str, int]]:
+    """Replacement body of MoRIIOConnectorWorker._build_shared_kv_mr (the rule in rule.py).
+
+    Never raises where vLLM's own body does not: when the rule cannot plan these layers
+    (e.g. they sit on two allocations) or planning fails for any other reason, vLLM's own
+    body decides. Its registration is used unchanged, with one WARNING that says why the rule
+    could not hold; if vLLM's body raises too, the rule's refusal (a ValueError naming the
+    layers) is raised in its place, or vLLM's own exception when the rule had no refusal.
+    """
+    try:
+        return planned_shared_kv_mr(self, kv_caches)
+    except Exception as refusal:
+        original = original_of(_module().MoRIIOConnectorWorker, "_build_shared_kv_mr")
+        try:
+            result: tuple[Any, dict[str, int]] = original(self, kv_caches)
+        except Exception as exc:
+            if isinstance(refusal, SharedMRError):
+                raise refusal from exc
+            raise
+        _logger.warning(
+            "mr-extent: the shared KV memory region cannot be built by the fix's rule (%s: %s); "
+            "vLLM's own registration is used unchanged",
+            type(refusal).__name__,
+            refusal,
+        )
+        return result
 
 
 def recognize() -> str:

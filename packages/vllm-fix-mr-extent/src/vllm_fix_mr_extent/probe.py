@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_fix_core import Check, NotApplicable, ProbeReport
-from vllm_fix_mr_extent.rule import PAGE_SIZE, registration_problems
+from vllm_fix_mr_extent.rule import PAGE_SIZE
 
 ATTN_PLANE = 16 * 128 * 2  # one K or V plane of one block (16 tokens x 1 head x 128, fp16)
 LAYER_BYTES = 2 * ATTN_PLANE  # one block-first attention layer of one block: 8192 bytes
@@ -148,22 +148,66 @@ FAILING: tuple[Callable[[], Scenario], ...] = (
 CONTROL = aligned_control
 
 
+def _span(tensor: Any, nbytes: int) -> tuple[int, int]:
+    start = int(tensor.data_ptr())
+    return start, start + int(nbytes)
+
+
+def must_cover(scenario: Scenario) -> list[tuple[str, tuple[int, int]]]:
+    """What any correct registration must cover, measured on vLLM's and torch's own objects.
+
+    Every region vLLM itself enumerates for each layer (``iter_layer_registration_regions``:
+    all of them, not only the first), and every layer tensor's own bytes as torch lays them
+    out (``data_ptr`` .. ``data_ptr + numel * element_size``, for a contiguous layer).
+    Nothing here comes from this fix's code.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
+
+    spans: list[tuple[str, tuple[int, int]]] = []
+    iter_regions = getattr(mc, "iter_layer_registration_regions", None)
+    for layer, cache in scenario.kv_caches.items():
+        if callable(iter_regions):
+            for index, (tensor, nbytes) in enumerate(iter_regions(layer, cache, scenario.layer_to_spec)):
+                spans.append((f"layer {layer!r} region {index}", _span(tensor, nbytes)))
+        if cache.is_contiguous():
+            spans.append((f"layer {layer!r} tensor", _span(cache, cache.numel() * cache.element_size())))
+    return spans
+
+
 def problems(scenario: Scenario) -> list[str]:
-    """Run the installed builder on the scenario; empty list: it met the contract."""
-    from vllm_fix_mr_extent.patch import collect_regions
+    """Run the installed builder on the scenario; empty list: it met the contract.
+
+    The contract (from the bug's specification, checked on the objects themselves): a
+    contiguous uint8 view of the scenario's own KV storage, inside that storage, covering
+    everything ``must_cover`` names, with each layer's offset equal to its data pointer minus
+    the registration's first byte.
+    """
+    import torch
 
     try:
         reg, offsets = scenario.worker()._build_shared_kv_mr(scenario.kv_caches)
     except Exception as exc:
         return [f"{type(exc).__name__}: {exc}"]
     found: list[str] = []
-    import torch
-
     if reg.dtype != torch.uint8 or reg.dim() != 1 or not reg.is_contiguous():
         found.append(f"registration is {reg.dtype} {tuple(reg.shape)}, not a contiguous uint8 vector")
-    layer_ptrs = {layer: int(cache.data_ptr()) for layer, cache in scenario.kv_caches.items()}
-    regions = collect_regions(scenario.kv_caches, scenario.layer_to_spec)
-    found += registration_problems(int(reg.data_ptr()), int(reg.numel()), offsets, regions, layer_ptrs)
+    reg_start = int(reg.data_ptr())
+    reg_end = reg_start + int(reg.numel()) * int(reg.element_size())
+    storage = scenario.storage.untyped_storage()
+    s_start, s_end = int(storage.data_ptr()), int(storage.data_ptr()) + int(storage.nbytes())
+    if int(reg.untyped_storage().data_ptr()) != s_start:
+        found.append("registration is not a view of the KV storage")
+    if reg_start < s_start or reg_end > s_end:
+        found.append(f"registration [{reg_start:#x}, {reg_end:#x}) leaves storage [{s_start:#x}, {s_end:#x})")
+    for what, (lo, hi) in must_cover(scenario):
+        if lo < reg_start or hi > reg_end:
+            found.append(f"{what} [{lo:#x}, {hi:#x}) is not inside the registration")
+    if set(offsets) != set(scenario.kv_caches):
+        found.append(f"offsets name layers {sorted(offsets)}, expected {sorted(scenario.kv_caches)}")
+    for layer, cache in scenario.kv_caches.items():
+        want = int(cache.data_ptr()) - reg_start
+        if layer in offsets and offsets[layer] != want:
+            found.append(f"layer {layer!r}: offset {offsets[layer]} but data_ptr - base = {want}")
     return found
 
 
