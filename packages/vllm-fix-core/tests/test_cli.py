@@ -3,6 +3,7 @@ and VLLM_PLUGINS as real vLLM applies it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +13,12 @@ from typing import Any
 
 import pytest
 
+from vllm_fix_core import runtime
 from vllm_fix_core.cli import VLLM_PLUGINS_WARNING
+from vllm_fix_core.ladder import Decision, Rung
+
+# The rest runs on synthetic targets; these need vLLM's own plugin loader or its version header.
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs an installed vLLM")
 
 
 @pytest.fixture
@@ -99,6 +105,7 @@ def test_verify_table_and_exit_codes(fake_dist: dict[str, str], demo: Any, tmp_p
     assert "no-such-fix" in unknown.stderr and demo.fix.id in unknown.stderr  # lists the valid ids
 
 
+@needs_vllm
 def test_vllm_plugins_filter_matches_real_vllm(fake_dist: dict[str, str], demo: Any) -> None:
     """What `status` says about VLLM_PLUGINS is what vLLM's own loader does."""
     cases: list[tuple[str | None, bool]] = [
@@ -142,6 +149,7 @@ def test_bad_switch_values_are_loud(fake_dist: dict[str, str], demo: Any) -> Non
     assert any("no-such-fix" in w and demo.fix.id in w for w in warnings)
 
 
+@needs_vllm
 def test_json_stdout_is_only_json_and_ends_with_a_verdict(fake_dist: dict[str, str], demo: Any) -> None:
     for command in ("status", "verify"):
         out = cli(fake_dist, command, "--json", "--fix", demo.fix.id)
@@ -150,3 +158,66 @@ def test_json_stdout_is_only_json_and_ends_with_a_verdict(fake_dist: dict[str, s
         text = cli(fake_dist, command, "--fix", demo.fix.id).stdout.strip().splitlines()
         assert text[0].startswith(f"vLLM {data['vllm']['version']} (") and data["vllm"]["path"] in text[0]
         assert text[-1] == data["verdict"]
+
+
+def test_verify_writes_the_report(fake_dist: dict[str, str], demo: Any, tmp_path: Path) -> None:
+    """`verify` honours VLLM_FIXES_REPORT: one line per decision, the runtime's own record."""
+    report = tmp_path / "report.jsonl"
+    env = {**fake_dist, "VLLM_FIXES_REPORT": str(report)}
+    for _ in range(2):  # a second run appends
+        out = cli(env, "verify", "--json", "--fix", demo.fix.id)
+        assert out.returncode == 0, out.stdout + out.stderr
+    lines = [json.loads(line) for line in report.read_text().splitlines()]
+    assert [(r["fix"], r["rung"]) for r in lines] == [(demo.fix.id, "affected → fixed")] * 2
+    assert lines[0]["pid"] != lines[1]["pid"] != os.getpid()
+    assert set(lines[0]) == set(runtime.report_record(Decision("x", Rung.APPLIED, "r")))
+    assert lines[0]["reason"] == json.loads(out.stdout)["results"][0]["reason"]
+
+
+def test_verify_with_an_unwritable_report_warns_and_answers(
+    fake_dist: dict[str, str], demo: Any, tmp_path: Path
+) -> None:
+    env = {**fake_dist, "VLLM_FIXES_REPORT": str(tmp_path / "missing" / "report.jsonl")}
+    out = cli(env, "verify", "--json", "--fix", demo.fix.id)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout)["results"][0]["rung"] == "affected → fixed"  # stdout: only JSON
+    assert out.stderr.count("cannot be written") == 1, out.stderr
+
+
+ENVIRON_CHECK = """
+from vllm.platforms import current_platform
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+try:
+    current_platform.validate_environ(True)  # what --fail-on-environ-validation runs
+except ValueError as exc:
+    print("refused:", exc)
+else:
+    print("accepted")
+"""
+
+
+@needs_vllm
+def test_vllm_plugins_empty_with_a_switch_set_fails_vllms_environ_check(
+    fake_dist: dict[str, str], demo: Any
+) -> None:
+    """What the README says: our variables are known to vLLM only once our plugin has loaded, so
+    `VLLM_PLUGINS=` with a VLLM_FIXES_* variable set makes vLLM refuse to start under
+    --fail-on-environ-validation; VLLM_FIXES_DISABLE=all (plugins loaded) or unsetting is accepted."""
+    base = {k: v for k, v in fake_dist.items() if not k.startswith("VLLM_FIXES_")}
+
+    def check(**env: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-c", ENVIRON_CHECK],
+            env={**base, **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.strip().splitlines()[-1]
+
+    refused = check(VLLM_PLUGINS="", VLLM_FIXES_DISABLE=demo.fix.id)
+    assert refused.startswith("refused:") and "VLLM_FIXES_DISABLE" in refused
+    assert check(VLLM_FIXES_DISABLE="all") == "accepted"
+    assert check(VLLM_PLUGINS="") == "accepted"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -37,13 +38,18 @@ def test_vllm_plugins_filter_parses_like_vllm(monkeypatch: pytest.MonkeyPatch) -
     assert vllm_plugins_filter() == ["a", "b"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs an installed vLLM")
 def test_locate_finds_modules_without_importing_them() -> None:
     name = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
     already = name in sys.modules
     assert locate(name) is True
     assert (name in sys.modules) is already
     assert locate("vllm.distributed.no_such_module") is False
+
+
+def test_locate_a_missing_top_level_package() -> None:
     assert locate("no_such_top_level_pkg.sub") is False
+    assert "no_such_top_level_pkg" not in sys.modules
 
 
 def test_locate_honours_blocked_modules(monkeypatch: pytest.MonkeyPatch) -> None:

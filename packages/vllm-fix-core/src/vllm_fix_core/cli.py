@@ -237,6 +237,7 @@ def verify_fix(fix: Fix) -> tuple[Decision, dict[str, Any]]:
     settings = Settings(disabled=frozenset(), strict=False)
     runtime.revert(fix)
     decision = evaluate(fix, settings, apply=True, honour_disable=False)
+    runtime.report(decision)  # $VLLM_FIXES_REPORT: one line per decision, as in a vLLM process
     overall = decision.rung.value
     checks: list[dict[str, Any]] = []
     before, after = decision.before, decision.after
@@ -367,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("status", "each fix's rung on the decision ladder for this vLLM, and what VLLM_PLUGINS does to it"),
         (
             "verify",
-            "probe unpatched vLLM, apply, probe again; non-zero exit if a fix fails or cannot be checked",
+            "probe unpatched vLLM, apply, probe again; non-zero exit if a fix fails or cannot be checked; "
+            "each decision is also a line in $VLLM_FIXES_REPORT when it is set",
         ),
     ):
         p = sub.add_parser(name, help=text, description=text)

@@ -21,6 +21,7 @@ The moriio role that ``__init__`` sets is put back too. No fix's patch calls any
 
 from __future__ import annotations
 
+import inspect
 import socket
 import threading
 from collections.abc import Iterator
@@ -149,6 +150,13 @@ def _stand_ins(
     return changes
 
 
+def _init_args(connector: ModuleType, vllm_config: Any, name: str, kv_cache_config: Any) -> tuple[Any, ...]:
+    """The installed ``__init__``'s arguments: ``(vllm_config, engine_id, kv_cache_config)`` from
+    vLLM 0.24.0, ``(vllm_config, engine_id)`` before (no ``kv_cache_config`` parameter)."""
+    params = inspect.signature(connector.MoRIIOConnectorWorker.__init__).parameters
+    return (vllm_config, name, kv_cache_config) if "kv_cache_config" in params else (vllm_config, name)
+
+
 @contextmanager
 def probe_worker(
     connector: ModuleType,
@@ -171,7 +179,7 @@ def probe_worker(
         worker: Any = None
         try:
             with _attributes(_stand_ins(connector, engine, engine_class)):
-                worker = connector.MoRIIOConnectorWorker(vllm_config, name, kv_cache_config)
+                worker = connector.MoRIIOConnectorWorker(*_init_args(connector, vllm_config, name, kv_cache_config))
                 yield worker
         finally:
             try:

@@ -28,18 +28,18 @@ def decisions() -> dict[str, Decision]:
 def _store(decision: Decision) -> Decision:
     with _lock:
         _decisions[decision.fix_id] = decision
-        _report(decision)
+        report(decision)
     return decision
 
 
-def _report(decision: Decision) -> None:
-    """Append the decision as a JSON line to $VLLM_FIXES_REPORT (audit: which process decided what)."""
-    path = os.environ.get(REPORT_ENV)
-    if not path:
-        return
+_warned_report = False
+
+
+def report_record(decision: Decision) -> dict[str, object]:
+    """The report file's record of one decision: which process decided what."""
     import multiprocessing
 
-    line = {
+    return {
         "pid": os.getpid(),
         "process": multiprocessing.current_process().name,
         "argv0": os.path.basename(sys.argv[0]) if sys.argv else "",
@@ -47,11 +47,39 @@ def _report(decision: Decision) -> None:
         "rung": decision.rung.value,
         "reason": decision.reason,
     }
+
+
+def report(decision: Decision) -> None:
+    """Append the decision as one JSON line to $VLLM_FIXES_REPORT (unset: nothing is written).
+
+    The line goes out in one write on a file opened for appending, so the lines of the
+    processes vLLM starts never interleave. A path that cannot be written is one WARNING per
+    process (the decision is still in the log); each later decision tries the path again, so
+    nothing is lost once it can be written. An audit file never breaks vLLM.
+    """
+    global _warned_report
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    line = (json.dumps(report_record(decision), ensure_ascii=False) + "\n").encode("utf-8")
     try:
-        with open(path, "a", encoding="utf-8") as out:
-            out.write(json.dumps(line) + "\n")
-    except OSError:  # an audit file must never break vLLM
-        pass
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        with _lock:
+            if _warned_report:
+                return
+            _warned_report = True
+        get_logger("report").warning(
+            "%s=%s cannot be written (%s): this process's decisions are not in the report "
+            "(they are still logged); said once per process",
+            REPORT_ENV,
+            path,
+            exc.strerror or exc,
+        )
 
 
 def install(fix: Fix, settings: Settings | None = None) -> Decision:
@@ -137,4 +165,4 @@ def revert(fix: Fix | str) -> bool:
     return True
 
 
-__all__ = ["apply", "decisions", "install", "revert"]
+__all__ = ["apply", "decisions", "install", "report", "report_record", "revert"]
