@@ -24,8 +24,9 @@ from packaging.version import Version
 
 from vllm_fix_core import Rung
 from vllm_fix_sync_load_zeroing import memo
-from vllm_fix_sync_load_zeroing.coverage import hybrid_layouts, read_rewrites_zeroed_bytes
+from vllm_fix_sync_load_zeroing.coverage import read_rewrites_zeroed_bytes
 from vllm_fix_sync_load_zeroing.memo import CoverageFacts, compute_facts, coverage_facts
+from vllm_fix_sync_load_zeroing.oracle import hybrid_layouts
 from vllm_fix_sync_load_zeroing.probe import attention_spec, probe
 from vllm_fix_testing import vllm_version
 from vllm_fix_testing.plugin_scenarios import Capture, run_scenarios

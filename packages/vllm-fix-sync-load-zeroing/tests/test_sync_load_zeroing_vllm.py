@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from packaging.version import Version
 
-from vllm_fix_core import NotApplicable, Rung, Settings, runtime
+from vllm_fix_core import NotApplicable, PatchSet, Rung, Settings, evaluate, runtime
 from vllm_fix_sync_load_zeroing import FIX
-from vllm_fix_sync_load_zeroing.coverage import hybrid_layouts, read_rewrites_zeroed_bytes
+from vllm_fix_sync_load_zeroing.coverage import read_rewrites_zeroed_bytes
+from vllm_fix_sync_load_zeroing.oracle import hybrid_layouts, zeroing_is_overwritten
 from vllm_fix_sync_load_zeroing.probe import (
     CASES,
     ZERO,
@@ -23,7 +27,7 @@ from vllm_fix_sync_load_zeroing.probe import (
     scheduler,
     step_output,
 )
-from vllm_fix_testing import applied, assert_hostile_wrapper_fails, vllm_version
+from vllm_fix_testing import applied, assert_every_target_observed, assert_hostile_wrapper_fails, vllm_version
 
 VERSION = vllm_version()
 HAS_EXCLUSION = Version("0.32.0") <= VERSION  # build_connector_meta excludes READ destinations
@@ -356,3 +360,198 @@ def test_probe_catches_a_regressed_exclusion(
     decision = runtime.apply(FIX, LENIENT)
     assert decision.rung is Rung.REFUSED, decision.message
     runtime.revert(FIX)
+
+
+# ---- every patched target observed (issue 22) ----------------------------------------------
+
+
+@pytest.mark.skipif(HAS_EXCLUSION, reason="fixed upstream on this release: nothing is patched")
+def test_every_patched_target_observed() -> None:
+    assert list(assert_every_target_observed(FIX)) == ["MoRIIOConnectorScheduler.build_connector_meta"]
+
+
+def test_fork_api_every_patched_target_observed(fork: Any) -> None:
+    observed = list(assert_every_target_observed(FIX))
+    assert [name.rsplit(".", 2)[-2:] for name in observed] == [
+        ["ForkMoRIIOConnector", "get_sync_load_block_ids"]
+    ]
+
+
+# ---- the oracle shares no code with the patch (issue 22) ------------------------------------
+
+FIX_CODE = ("rule", "coverage", "patch")
+
+
+def _imports(module: str) -> set[str]:
+    import ast
+    import importlib
+
+    path = importlib.import_module(f"vllm_fix_sync_load_zeroing.{module}").__file__ or ""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(Path(path).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize("module", ["probe", "oracle", "memo"])
+def test_probe_modules_import_nothing_of_the_fix(module: str) -> None:
+    fix_code = {f"vllm_fix_sync_load_zeroing.{name}" for name in FIX_CODE}
+    assert not _imports(module) & fix_code
+
+
+def _break_fix_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every function of the fix's rule and coverage modules raises (the probe must not care)."""
+    import inspect
+
+    from vllm_fix_sync_load_zeroing import coverage, rule
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the probe called the fix's code")
+
+    for module in (rule, coverage):
+        for name, value in vars(module).items():
+            if inspect.isfunction(value) and value.__module__ == module.__name__:
+                monkeypatch.setattr(module, name, broken)
+    from vllm_fix_sync_load_zeroing import patch as patch_module
+
+    for name in ("excluded_blocks", "filter_zeroing", "read_destinations", "scheduler_situation"):
+        monkeypatch.setattr(patch_module, name, broken)
+
+
+def test_probe_answer_does_not_move_when_the_fix_code_is_broken(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    importlib.import_module("vllm.v1.worker.utils")  # facts computed live, not from a memo
+    intact = [(c.name, c.affected) for c in probe().checks]
+    _break_fix_code(monkeypatch)
+    assert [(c.name, c.affected) for c in probe().checks] == intact
+
+
+# ---- a broken rule never verifies (issue 22) --------------------------------------------------
+
+
+def _all_blocks(situation: Any, pending: Any) -> frozenset[int]:
+    return frozenset(range(128))
+
+
+BREAKS: dict[str, tuple[str, Any]] = {
+    # excluded_blocks at the reference patch.py holds: never exclude / exclude every block
+    "never-exclude": ("excluded_blocks", lambda situation, pending: frozenset()),
+    "exclude-everything": ("excluded_blocks", _all_blocks),
+    # filter_zeroing at patch.py's reference: keeps the whole list
+    "filter-keeps-all": ("filter_zeroing", lambda blocks, excluded: list(blocks)),
+}
+
+
+# Where the rule is broken: the name patch.py calls it by (its module reference), or the rule's
+# own code (as an edit of rule.py would break it: every reference to the function, the probe's
+# included, if it held one).
+WHERE = ("patch-reference", "rule-code")
+
+
+def _break_rule(monkeypatch: pytest.MonkeyPatch, kind: str, where: str = "patch-reference") -> None:
+    from vllm_fix_sync_load_zeroing import patch as patch_module
+
+    name, broken = BREAKS[kind]
+    target = getattr(patch_module, name)
+    assert callable(target)  # the reference exists where the patch calls it
+    if where == "rule-code":
+        monkeypatch.setattr(target, "__code__", broken.__code__)
+    else:
+        monkeypatch.setattr(patch_module, name, broken)
+
+
+def _meta_object() -> Any:
+    return mc().MoRIIOConnectorScheduler.__dict__["build_connector_meta"]
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("kind", sorted(BREAKS))
+def test_broken_rule_fails_to_fix_or_stays_upstream(
+    monkeypatch: pytest.MonkeyPatch, kind: str, where: str
+) -> None:
+    """Affected (0.31.0): a broken rule is "failed to fix", reverted exactly. 0.32.0 / 0.33.0:
+    vLLM is right and the probe's answer does not come from the rule: "fixed upstream", never
+    "affected → fixed"."""
+    original = _meta_object()
+    _break_rule(monkeypatch, kind, where)
+    decision = evaluate(FIX, LENIENT, apply=True, honour_disable=False)
+    try:
+        if HAS_EXCLUSION:
+            assert decision.rung is Rung.UPSTREAM_FIXED, decision.message
+        else:
+            assert decision.rung is Rung.FAILED, decision.message
+            assert decision.after is not None and decision.after.affected
+    finally:
+        if decision.patch is not None:
+            decision.patch.revert()
+    assert _meta_object() is original
+    monkeypatch.undo()
+    assert zeroed_after_step(CASES[0], "LBHNC") == ([9, 90] if HAS_EXCLUSION else [7, 8, 9, 90])
+
+
+@pytest.mark.parametrize("kind", ["exclude-everything", "never-exclude"])  # the fork wrapper filters nothing
+@pytest.mark.parametrize("where", WHERE)
+def test_fork_api_broken_rule_fails_to_fix(
+    fork: Any, monkeypatch: pytest.MonkeyPatch, kind: str, where: str
+) -> None:
+    original = fork.MoRIIOConnector.__dict__["get_sync_load_block_ids"]
+    _break_rule(monkeypatch, kind, where)
+    decision = evaluate(FIX, LENIENT, apply=True, honour_disable=False)
+    if decision.patch is not None:
+        decision.patch.revert()
+    assert decision.rung is Rung.FAILED, decision.message
+    assert fork.MoRIIOConnector.__dict__["get_sync_load_block_ids"] is original
+
+
+@contextmanager
+def forced() -> Iterator[None]:
+    """The fix's patch installed directly (no ladder), at the shape recognize() gives: on
+    0.32.0 / 0.33.0 this layers the wrapper over vLLM's own exclusion."""
+    from vllm_fix_sync_load_zeroing import patch as patch_module
+
+    patch = PatchSet(FIX.id)
+    patch_module.apply(patch, patch_module.recognize())
+    try:
+        yield
+    finally:
+        patch.revert()
+
+
+@pytest.mark.skipif(not HAS_EXCLUSION, reason="vLLM has no exclusion of its own on this release")
+def test_intact_patch_over_vllm_own_exclusion_agrees_with_it() -> None:
+    with forced():
+        assert probe().names(True) == []
+        assert not probe().broken_guards
+
+
+@pytest.mark.skipif(not HAS_EXCLUSION, reason="vLLM has no exclusion of its own on this release")
+@pytest.mark.parametrize("kind", sorted(BREAKS))
+def test_broken_patch_over_vllm_own_exclusion_is_seen(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The issue's case: the patched scheduler zeroing [7, 8, 9, 90] (or nothing) where vLLM's
+    own exclusion zeroes [9, 90] is seen against both references: the table and vLLM itself."""
+    _break_rule(monkeypatch, kind)
+    with forced():
+        got = zeroed_after_step(CASES[0], "LBHNC")
+        assert got != [9, 90]
+        report = probe()
+    assert report.affected
+    assert report.broken_guards == ["vllm-own-exclusion-kept"]
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
+@pytest.mark.parametrize("overrides", [{}, {"num_kv_heads": 1, "head_size": 16}, {"page_size_padded": 1280}])
+def test_oracle_and_patch_coverage_agree(layout: str, overrides: dict[str, Any]) -> None:
+    """Two independent computations of condition 4 (the probe's byte replay, the patch's interval
+    containment) give the same answer; where vLLM cannot build the cache, the oracle raises and
+    the patch keeps zeroing."""
+    spec = FullAttention(**overrides)
+    try:
+        measured = zeroing_is_overwritten(layout, spec)
+    except Exception:
+        measured = False
+    assert read_rewrites_zeroed_bytes(layout, spec) is measured

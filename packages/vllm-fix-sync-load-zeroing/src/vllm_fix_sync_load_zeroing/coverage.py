@@ -10,12 +10,14 @@ judged the same way, not guessed from its name.
 Anything this cannot build or understand (an unknown layout name, a layout vLLM cannot pad,
 a spec it rejects, a zeroer whose segment table changed shape) answers "not covered": the
 caller then keeps zeroing, which costs a kernel launch and never loses KV.
+
+This is the patch's computation. The probe does not use it: its expected answer comes from
+:mod:`vllm_fix_sync_load_zeroing.oracle`, a separate measurement on vLLM's objects.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -149,31 +151,3 @@ def _inside(needed: Sequence[tuple[int, int]], written: Iterable[tuple[int, int]
         if not any(m_start <= start and end <= m_end for m_start, m_end in merged):
             return False
     return True
-
-
-def hybrid_layouts() -> tuple[str, ...]:
-    """The layouts vLLM's own resolver accepts for a hybrid (attention + Mamba) model."""
-    import torch
-    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    attention = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
-    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,))
-    resolver_log = logging.getLogger(resolve_kv_cache_layout.__module__)
-    level = resolver_log.level
-    resolver_log.setLevel(logging.WARNING)
-    accepted = []
-    try:
-        for layout in KVCacheLayout:
-            config = SimpleNamespace(
-                cache_config=SimpleNamespace(kv_cache_layout=None), kv_transfer_config=None
-            )
-            try:
-                resolve_kv_cache_layout(config, [[layout.name]], (attention, mamba))  # type: ignore[arg-type]
-            except (ValueError, AssertionError):
-                continue
-            accepted.append(layout.name)
-    finally:
-        resolver_log.setLevel(level)
-    return tuple(accepted)

@@ -7,9 +7,11 @@ facts are a deterministic function of vLLM's and torch's code (plus one environm
 vLLM's layout resolver reads), so they are kept on disk, for the probe's fixed attention spec:
 
 * whether vLLM has ``KVBlockZeroer``;
-* the layouts vLLM's resolver accepts for a hybrid model (``coverage.hybrid_layouts()``);
-* per layout, whether a READ rewrites every byte the zeroer zeroes, or the repr of what the
-  computation raised (the probe answers "cannot check" for it, as it does live).
+* the layouts vLLM's resolver accepts for a hybrid model (``oracle.hybrid_layouts()``);
+* per layout, whether a READ rewrites every byte the zeroer zeroes
+  (``oracle.zeroing_is_overwritten``, the probe's own measurement, which shares no code with
+  the patch), or the repr of what the computation raised (the probe answers "cannot check" for
+  it, as it does live).
 
 Only this oracle input is memoized: the probe still calls vLLM's real ``build_connector_meta`` /
 ``get_sync_load_block_ids`` on every probe case.
@@ -76,7 +78,7 @@ SCHEMA = 1
 # every os.environ / vllm.envs read during the computation on vLLM 0.31.0, 0.32.0 and 0.33.0.
 ENV_INPUTS = ("VLLM_KV_CACHE_LAYOUT",)
 # The modules whose source defines the facts (and this memo's format).
-_OWN_MODULES = ("coverage", "probe", "memo")
+_OWN_MODULES = ("oracle", "probe", "memo")
 
 
 def _memo_logger() -> logging.Logger:
@@ -125,7 +127,7 @@ class CoverageFacts:
 def compute_facts(spec: Callable[[], Any]) -> CoverageFacts:
     """The facts, computed live from vLLM (imports vllm.v1.worker.utils). Raises what the
     layout resolver raises; a layout whose bytes cannot be computed is recorded with its error."""
-    from vllm_fix_sync_load_zeroing.coverage import byte_ranges, contained, hybrid_layouts
+    from vllm_fix_sync_load_zeroing.oracle import hybrid_layouts, zeroing_is_overwritten
 
     worker_utils = importlib.import_module(WORKER_UTILS)
     if not hasattr(worker_utils, "KVBlockZeroer"):
@@ -136,11 +138,9 @@ def compute_facts(spec: Callable[[], Any]) -> CoverageFacts:
     errors: dict[str, str] = {}
     for layout in layouts:
         try:
-            zero, reads = byte_ranges(layout, attention)
+            covered[layout] = zeroing_is_overwritten(layout, attention)
         except Exception as exc:
             errors[layout] = repr(exc)
-            continue
-        covered[layout] = contained(zero, reads)
     return CoverageFacts(True, layouts, covered, errors)
 
 

@@ -4,8 +4,20 @@ Calls the installed MoRIIO entry point the exclusion lives in: the connector's
 ``get_sync_load_block_ids`` where this vLLM has that API (the #59164 lineage), otherwise
 ``MoRIIOConnectorScheduler.build_connector_meta`` on a scheduler built like vLLM's own MoRIIO
 tests build one (``__new__`` plus the attributes it reads). Each case of the decision table is
-run under every KV-cache layout vLLM accepts for a hybrid model, and compared with the rule,
-whose layout condition is computed from vLLM's own view builder, zeroer and READ offsets.
+run under every KV-cache layout vLLM accepts for a hybrid model.
+
+The expected answer never comes from the fix's code (``rule``, ``coverage``, ``patch``):
+
+* the decision table of the bug's specification (§4.3), written out below (``COVERED``): what
+  a step zeroes of ``ZERO`` when the layout lets the READ rewrite every byte the zeroer clears;
+  ``ZERO`` unchanged otherwise;
+* whether the layout does is measured on vLLM's own objects by
+  :mod:`vllm_fix_sync_load_zeroing.oracle` (vLLM's view builder, the segment table of vLLM's
+  ``KVBlockZeroer``, the READ offsets of MoRIIO's worker);
+* where vLLM's own ``build_connector_meta`` excludes READ destinations itself (0.32.0 on), its
+  result is a second reference: the installed method, called on an identical scheduler, must
+  give what vLLM's original gives (a guard: a layer that changes vLLM's own exclusion is
+  "failed to fix", never "fixed").
 
 Those coverage facts (the oracle's input, not vLLM's behaviour under test) come from a
 persistent memo where vLLM's worker utilities are not loaded yet (see
@@ -23,13 +35,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from vllm_fix_core import Check, NotApplicable, ProbeReport
+from vllm_fix_core import Check, NotApplicable, ProbeReport, original_of
 from vllm_fix_sync_load_zeroing.memo import WORKER_UTILS, CoverageFacts, coverage_facts
-from vllm_fix_sync_load_zeroing.rule import Situation, excluded_blocks, filter_zeroing
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 ZERO = (7, 8, 9, 90)
-ATTENTION_READ = {"attn-import": ((7, 8), (90,))}  # block 9 is the locally recomputed tail
 NO_ZEROER = "this vLLM has no KV-cache zeroing (KVBlockZeroer)"
 PARAMS = {
     "remote_engine_id": "prefill-0",
@@ -59,6 +69,20 @@ CASES = (
     Case("attention-only-model", hybrid=False, pending=(((7, 8),),)),
     Case("write-mode", read=False, pending=(((7, 8), (90,)),)),
 )
+
+# Spec §4.3: what the step zeroes of ZERO = [7, 8, 9, 90] when the layout lets the READ rewrite
+# every byte the zeroer clears. 7 and 8 are the aligned attention READ destinations, 9 the
+# locally recomputed tail, 90 / 91 Mamba state slots (never excluded). Under a layout the READ
+# does not fully rewrite, every case zeroes ZERO.
+COVERED: dict[str, tuple[int, ...]] = {
+    "attn-import": (9, 90),
+    "two-reads": (9, 90),
+    "state-only": ZERO,
+    "nothing-pending": ZERO,
+    "producer": ZERO,
+    "attention-only-model": ZERO,
+    "write-mode": ZERO,
+}
 
 
 def require_feature() -> Any:
@@ -143,31 +167,29 @@ def step_output(zero: tuple[int, ...] = ZERO) -> Any:
     )
 
 
-def expected_zeroing(
-    case: Case, layout: str, sched: Any, zero: tuple[int, ...] = ZERO, covered: bool | None = None
-) -> list[int]:
-    """What the rule leaves; `covered`: the layout's coverage for the probe's spec where known."""
-    situation = Situation(
-        case.read,
-        case.consumer,
-        case.hybrid,
-        layout,
-        sched.kv_cache_config.transfer_groups[0].kv_cache_spec,
-        covered,
-    )
-    return filter_zeroing(zero, excluded_blocks(situation, sched._reqs_need_recv))
+def expected_zeroing(case: Case, covered: bool) -> list[int]:
+    """The table's answer for `case`, under a layout whose coverage is `covered`."""
+    return list(COVERED[case.name] if covered else ZERO)
 
 
-def observed_zeroing_meta(
-    mc: Any, case: Case, layout: str, covered: bool | None = None
-) -> tuple[list[int], list[int], list[str]]:
-    """(zeroing list after build_connector_meta, what the rule leaves, READs in the metadata)."""
+def _zeroing_after(method: Any, mc: Any, case: Case, layout: str) -> tuple[list[int], list[str]]:
+    """(the step's zeroing list after `method` built the metadata, the READs it carries)."""
     sched = scheduler(mc, case, layout)
-    expected = expected_zeroing(case, layout, sched, covered=covered)
     out = step_output()
-    meta = sched.build_connector_meta(out)
+    meta = method(sched, out)
     reads = sorted(getattr(meta, "reqs_to_recv", {}) or {})
-    return list(out.new_block_ids_to_zero or []), expected, reads
+    return list(out.new_block_ids_to_zero or []), reads
+
+
+def observed_zeroing_meta(mc: Any, case: Case, layout: str) -> tuple[list[int], list[str]]:
+    """What the installed build_connector_meta gives (through the instance, as vLLM calls it)."""
+    return _zeroing_after(lambda sched, out: sched.build_connector_meta(out), mc, case, layout)
+
+
+def vllm_own_zeroing(mc: Any, case: Case, layout: str) -> list[int]:
+    """The zeroing list vLLM's own build_connector_meta (the object before any fix) leaves."""
+    original = original_of(mc.MoRIIOConnectorScheduler, "build_connector_meta")
+    return _zeroing_after(lambda sched, out: original.__get__(sched, type(sched))(out), mc, case, layout)[0]
 
 
 def fork_connector(mc: Any, case: Case, layout: str) -> Any:
@@ -189,13 +211,10 @@ def fork_connector(mc: Any, case: Case, layout: str) -> Any:
     return connector
 
 
-def observed_zeroing_fork(
-    mc: Any, case: Case, layout: str, covered: bool | None = None
-) -> tuple[list[int], list[int]]:
+def observed_zeroing_fork(mc: Any, case: Case, layout: str) -> list[int]:
     connector = fork_connector(mc, case, layout)
-    expected = expected_zeroing(case, layout, connector.connector_scheduler, covered=covered)
     skipped = set(connector.get_sync_load_block_ids())
-    return [b for b in ZERO if b not in skipped], expected
+    return [b for b in ZERO if b not in skipped]
 
 
 def has_fork_api(mc: Any) -> bool:
@@ -223,15 +242,25 @@ def probe() -> ProbeReport:
     races: list[str] = []
     over: list[str] = []
     lost_reads: list[str] = []
+    departs: list[str] = []
     fork = has_fork_api(mc)
+    own: dict[tuple[str, str], list[int]] = {}
+    if not fork:
+        own = {(case.name, layout): vllm_own_zeroing(mc, case, layout) for case, layout in cases(layouts)}
+    # vLLM excludes READ destinations itself (0.32.0 on): its own answer is a second reference.
+    own_exclusion = any(got != list(ZERO) for got in own.values())
     for case, layout in cases(layouts):
-        covered = facts.covered[layout]
+        want = expected_zeroing(case, facts.covered[layout])
         if fork:
-            got, want = observed_zeroing_fork(mc, case, layout, covered)
+            got = observed_zeroing_fork(mc, case, layout)
         else:
-            got, want, reads = observed_zeroing_meta(mc, case, layout, covered)
+            got, reads = observed_zeroing_meta(mc, case, layout)
             if sorted(reads) != sorted(f"probe-{i}" for i in range(len(case.pending))):
                 lost_reads.append(f"{case.name}/{layout}: metadata carries {reads}")
+            if own_exclusion and got != own[case.name, layout]:
+                departs.append(
+                    f"{case.name}/{layout} zeroes {got}, vLLM's own exclusion {own[case.name, layout]}"
+                )
         if [b for b in got if b not in want]:
             races.append(f"{case.name}/{layout} zeroes {[b for b in got if b not in want]}")
         if [b for b in want if b not in got]:
@@ -247,5 +276,7 @@ def probe() -> ProbeReport:
             ),
             # Guard: the READs still reach the worker's metadata.
             Check("reads-reach-metadata", bool(lost_reads), "; ".join(lost_reads[:4]), guard=True),
+            # Guard: where vLLM excludes READ destinations itself, what is installed gives its answer.
+            Check("vllm-own-exclusion-kept", bool(departs), "; ".join(departs[:4]), guard=True),
         )
     )
