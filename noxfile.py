@@ -369,19 +369,19 @@ def _matrix(release: str) -> None:
         local, _ = workspace.local_closure(meta, extras=())
         testing = workspace.by_name()["vllm-fix-testing"]
         _install(session, release, [*local, testing])
-        out = Path(session.create_tmp()) / f"{release}.json"
-        # verify exits 1 on "failed to fix" or "cannot check"; the comparison below says which.
-        with out.open("w") as fh:
-            # stdout (only JSON) to the file; vLLM's log lines (stderr) stay in the session log.
-            session.run(
-                "vllm-fixes",
-                "verify",
-                "--json",
-                env=_env(release),
-                stdout=fh,
-                stderr=None,
-                success_codes=[0, 1],
-            )
+        tmp = Path(session.create_tmp())
+        out, hostile = tmp / f"{release}.json", tmp / f"{release}-targets.json"
+        # One process: verify --json (stdout only JSON, vLLM's log lines on stderr), then every
+        # patched target of every fix the release needs undone alone (it must fail verification).
+        session.run(
+            "python",
+            str(ROOT / "tools" / "matrix_cell.py"),
+            "--verify-out",
+            str(out),
+            "--hostile-out",
+            str(hostile),
+            env=_env(release),
+        )
         session.run(
             "python",
             str(ROOT / "tools" / "matrix.py"),
@@ -390,18 +390,12 @@ def _matrix(release: str) -> None:
             release,
             "--result",
             str(out),
+            "--hostile",
+            str(hostile),
             "--store",
             str(MATRIX_RESULTS),
             *session.posargs,
             external=True,
-        )
-        # Every patched target observed: each fix this release needs, with vLLM's original
-        # layered over one patched target at a time, must fail verification.
-        session.run(
-            "python",
-            "-c",
-            "from vllm_fix_testing.hostile import main; raise SystemExit(main())",
-            env=_env(release),
         )
 
     session_fn.__doc__ = (

@@ -1,11 +1,14 @@
 """The release matrix: `vllm-fixes verify --json` per vLLM release, stored and rendered.
 
-    python tools/matrix.py record --release 0.31.0 --result out.json --store docs/support-matrix [--write]
+    python tools/matrix.py record --release 0.31.0 --result out.json [--hostile targets.json]
+                                  --store docs/support-matrix [--write]
     python tools/matrix.py render --store docs/support-matrix      (prints docs/support-matrix.md)
 
 `record` compares a fresh result with the stored one (rung and checks of every fix): a
 difference fails, as a stale generated doc does, until it is reviewed and stored with --write.
-A fix that failed to fix, or could not be checked, fails the session whatever is stored.
+A fix that failed to fix, or could not be checked, fails the session whatever is stored, and
+so does a patched target whose undo verification did not notice (`--hostile`, the per-target
+result of tools/matrix_cell.py): the stored record lists, per fix, the targets proven observed.
 """
 
 from __future__ import annotations
@@ -20,10 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_env
 
 BAD = ("failed to fix", "cannot check")
+ERA = 10  # releases per table
 
 
-def normalize(result: dict[str, Any], release: str) -> dict[str, Any]:
-    """What is compared and rendered: per fix its rung, its checks and the ladder's reason."""
+def normalize(
+    result: dict[str, Any], release: str, hostile: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """What is compared and rendered: per fix its rung, its checks, the ladder's reason and (with
+    the per-target result) each patched target's undo: "observed" or why not."""
+    targets = {entry["fix"]: entry["targets"] for entry in hostile or ()}
     fixes = {}
     for r in sorted(result["results"], key=lambda r: r["id"]):
         fixes[r["id"]] = {
@@ -32,20 +40,40 @@ def normalize(result: dict[str, Any], release: str) -> dict[str, Any]:
             "checks": {c["check"]: c["outcome"] for c in r["checks"]},
             "reason": r["reason"],
         }
+        if targets.get(r["id"]):
+            fixes[r["id"]]["targets"] = targets[r["id"]]
     vllm = result.get("vllm") or {}
     return {"release": release, "vllm": vllm.get("version", "?"), "fixes": fixes}
 
 
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: {"rung": v["rung"], "checks": v["checks"]} for k, v in record["fixes"].items()}
+    return {
+        k: {"rung": v["rung"], "checks": v["checks"], "targets": sorted(v.get("targets", {}))}
+        for k, v in record["fixes"].items()
+    }
 
 
-def record(release: str, result: Path, store: Path, write: bool) -> int:
-    fresh = normalize(json.loads(result.read_text()), release)
+def unobserved(record: dict[str, Any]) -> dict[str, list[str]]:
+    """Per fix, the patched targets whose undo its verification did not notice."""
+    found = {}
+    for fix_id, entry in record["fixes"].items():
+        missed = [f"{t}: {why}" for t, why in entry.get("targets", {}).items() if why != "observed"]
+        if missed:
+            found[fix_id] = missed
+    return found
+
+
+def record(release: str, result: Path, store: Path, write: bool, hostile: Path | None = None) -> int:
+    checked = json.loads(hostile.read_text()) if hostile is not None else None
+    fresh = normalize(json.loads(result.read_text()), release, checked)
     path = store / f"{release}.json"
     bad = {k: v["rung"] for k, v in fresh["fixes"].items() if v["rung"] in BAD}
     for fix_id, rung in bad.items():
         print(f"matrix {release}: {fix_id}: {rung}: {fresh['fixes'][fix_id]['reason']}")
+    blind = unobserved(fresh)
+    for fix_id, missed in blind.items():
+        for line in missed:
+            print(f"matrix {release}: {fix_id}: patched target not observed: {line}")
     if write:
         store.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(fresh, indent=2, ensure_ascii=False) + "\n")
@@ -64,8 +92,12 @@ def record(release: str, result: Path, store: Path, write: bool) -> int:
             print(f"matrix {release}: differs from {path}; review, then store with --write")
             return 1
     for fix_id, entry in fresh["fixes"].items():
-        print(f"matrix {release}: {fix_id}: {entry['rung']}")
-    return 1 if bad else 0
+        observed = entry.get("targets", {})
+        proof = (
+            f" ({len(observed)} patched targets, each observed)" if observed and fix_id not in blind else ""
+        )
+        print(f"matrix {release}: {fix_id}: {entry['rung']}{proof}")
+    return 1 if bad or blind else 0
 
 
 def render(store: Path) -> str:
@@ -82,16 +114,25 @@ def render(store: Path) -> str:
         "# Support matrix",
         "",
         "What `vllm-fixes verify` answers for each fix on the newest patch of every vLLM minor release",
-        "from 0.24 to 0.33, run by the `matrix-<release>` sessions (`./run -t matrix`) on each",
-        "release's own Python sources over CPU torch. CI fails when an answer changes until the new",
-        "result is reviewed and stored (`./run -s matrix-<release> -- --write`).",
-        "",
-        "| fix | " + " | ".join(releases) + " |",
-        "|---|" + "---|" * len(releases),
+        f"with MoRIIO, {releases[0]} to {releases[-1]}, run by the `matrix-<release>` sessions"
+        " (`./run -t matrix`) on",
+        "each release's own Python sources over CPU torch; each session then undoes every patched",
+        "target of every fix the release needs, one at a time, and verification must fail each time.",
+        "CI fails when an answer changes until the new result is reviewed and stored",
+        "(`./run -s matrix-<release> -- --write`). One table per ten releases.",
     ]
-    for fix in fixes:
-        cells = [records[r]["fixes"].get(fix, {}).get("rung", "–") for r in releases]
-        lines.append(f"| {fix} | " + " | ".join(cells) + " |")
+    for start in range(0, len(releases), ERA):
+        era = releases[start : start + ERA]
+        lines += [
+            "",
+            f"## vLLM {era[0]} to {era[-1]}",
+            "",
+            "| fix | " + " | ".join(era) + " |",
+            "|---|" + "---|" * len(era),
+        ]
+        for fix in fixes:
+            cells = [records[r]["fixes"].get(fix, {}).get("rung", "–") for r in era]
+            lines.append(f"| {fix} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Rungs: **affected → fixed** (the release has the bug; the fix applied and its probe no",
@@ -111,6 +152,10 @@ def render(store: Path) -> str:
             text = f"- **{release}**: {entry['rung']}"
             if checks:
                 text += f" ({checks})"
+            if entry.get("targets"):
+                text += "; undone one at a time, each seen by verification: " + ", ".join(
+                    f"`{t}`" for t in entry["targets"]
+                )
             if entry["rung"] not in ("affected → fixed",):
                 text += f". {entry['reason']}"
             lines.append(text)
@@ -125,13 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     rec = sub.add_parser("record")
     rec.add_argument("--release", required=True)
     rec.add_argument("--result", type=Path, required=True)
+    rec.add_argument("--hostile", type=Path, help="the per-target result (tools/matrix_cell.py)")
     rec.add_argument("--store", type=Path, required=True)
     rec.add_argument("--write", action="store_true")
     ren = sub.add_parser("render")
     ren.add_argument("--store", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.command == "record":
-        return record(args.release, args.result, args.store, args.write)
+        return record(args.release, args.result, args.store, args.write, args.hostile)
     print(render(args.store), end="")
     return 0
 

@@ -1,0 +1,73 @@
+"""tools/matrix.py record: what fails a release-matrix cell (answers and per-target proofs)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import matrix
+
+RELEASE = "0.31.0"
+
+
+def verify_result(rung: str = "affected → fixed") -> dict[str, Any]:
+    return {
+        "vllm": {"version": RELEASE},
+        "results": [
+            {
+                "id": "demo",
+                "rung": rung,
+                "reason": "r",
+                "shape": "s",
+                "checks": [{"check": "symptom", "outcome": rung}],
+            }
+        ],
+    }
+
+
+def cell(tmp_path: Path, targets: dict[str, str], rung: str = "affected → fixed") -> tuple[Path, Path]:
+    result = tmp_path / "verify.json"
+    result.write_text(json.dumps(verify_result(rung)))
+    hostile = tmp_path / "targets.json"
+    hostile.write_text(json.dumps([{"fix": "demo", "answer": "would fix", "targets": targets}]))
+    return result, hostile
+
+
+def test_observed_targets_are_stored_and_then_match(tmp_path: Path) -> None:
+    result, hostile = cell(tmp_path, {"A.f": "observed", "B.g": "observed"})
+    store = tmp_path / "store"
+    assert matrix.record(RELEASE, result, store, write=True, hostile=hostile) == 0
+    stored = json.loads((store / f"{RELEASE}.json").read_text())
+    assert stored["fixes"]["demo"]["targets"] == {"A.f": "observed", "B.g": "observed"}
+    assert matrix.record(RELEASE, result, store, write=False, hostile=hostile) == 0
+    assert "each seen by verification: `A.f`, `B.g`" in matrix.render(store)
+
+
+def test_an_unobserved_target_fails_the_cell_even_when_stored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result, hostile = cell(tmp_path, {"A.f": "observed", "B.g": "NOT observed: the ladder said fixed"})
+    store = tmp_path / "store"
+    assert matrix.record(RELEASE, result, store, write=True, hostile=hostile) == 1
+    assert matrix.record(RELEASE, result, store, write=False, hostile=hostile) == 1
+    assert "demo: patched target not observed: B.g: NOT observed" in capsys.readouterr().out
+
+
+def test_a_changed_set_of_patched_targets_is_a_difference(tmp_path: Path) -> None:
+    result, hostile = cell(tmp_path, {"A.f": "observed"})
+    store = tmp_path / "store"
+    assert matrix.record(RELEASE, result, store, write=True, hostile=hostile) == 0
+    result, hostile = cell(tmp_path, {"A.f": "observed", "C.h": "observed"})
+    assert matrix.record(RELEASE, result, store, write=False, hostile=hostile) == 1
+
+
+def test_failed_to_fix_fails_whatever_is_stored(tmp_path: Path) -> None:
+    result, hostile = cell(tmp_path, {}, rung="failed to fix")
+    store = tmp_path / "store"
+    assert matrix.record(RELEASE, result, store, write=True, hostile=hostile) == 1
