@@ -93,9 +93,8 @@ def record(release: str, result: Path, store: Path, write: bool, hostile: Path |
             return 1
     for fix_id, entry in fresh["fixes"].items():
         observed = entry.get("targets", {})
-        proof = (
-            f" ({len(observed)} patched targets, each observed)" if observed and fix_id not in blind else ""
-        )
+        noun = "patched target, observed" if len(observed) == 1 else "patched targets, each observed"
+        proof = f" ({len(observed)} {noun})" if observed and fix_id not in blind else ""
         print(f"matrix {release}: {fix_id}: {entry['rung']}{proof}")
     return 1 if bad or blind else 0
 
