@@ -49,12 +49,19 @@ FIX = Fix(
         Target(COMMON, "get_port_offset", ProcessKind.WORKER),
         Target(ENGINE, "get_port_offset", ProcessKind.WORKER),
         Target(COMMON, "MoRIIOConfig.from_vllm_config", ProcessKind.WORKER),
-        # Releases 0.24-0.26 dial the handshake listener without a TP size: wrapped there only.
+        # Releases 0.14-0.26 dial the handshake listener without a TP size: wrapped there only.
         Target(CONNECTOR, "MoRIIOConnectorWorker._moriio_handshake", ProcessKind.WORKER, optional=True),
-        Target(CONNECTOR, "MoRIIOConnectorScheduler._release_write_prefill_blocks", ProcessKind.ENGINE_CORE),
+        # The WRITE-mode "blocks ready" notify (every release since MoRIIO entered, 0.14).
         Target(CONNECTOR, "MoRIIOConnectorScheduler.update_state_after_alloc", ProcessKind.ENGINE_CORE),
+        # The WRITE prefill-block release sender exists from 0.24 on: it refines the fix there.
+        Target(
+            CONNECTOR,
+            "MoRIIOConnectorScheduler._release_write_prefill_blocks",
+            ProcessKind.ENGINE_CORE,
+            optional=True,
+        ),
         # The WRITE completion port is computed in one of these, depending on the release
-        # (0.24-0.30: _finalize_if_complete, 0.31-0.32: _execute_write_task, 0.33:
+        # (0.14-0.30: _finalize_if_complete, 0.31-0.32: _execute_write_task, 0.33:
         # _resolve_notify_endpoint); the one that calls get_port_offset is wrapped.
         Target(ENGINE, "MoRIIOWriter._finalize_if_complete", ProcessKind.WORKER, optional=True),
         Target(ENGINE, "MoRIIOWriter._execute_write_task", ProcessKind.WORKER, optional=True),

@@ -63,21 +63,29 @@ _logger = get_logger("handshake-port")
 
 Site = tuple[str, str]  # (module short name, qualname of the calling function)
 
-# The caller inventories seen in releases (pinned by test_recognized_shape_is_this_release).
-_SHARED_SITES: frozenset[Site] = frozenset(
+# The caller inventories seen in releases (pinned by test_recognized_shape_is_this_release on
+# the session releases; 0.14.1-0.23.0 checked by the release matrix).
+# Every release since MoRIIO entered vLLM (0.14) has these callers.
+_FIRST_SITES: frozenset[Site] = frozenset(
     {
         ("moriio_common", "MoRIIOConfig.from_vllm_config"),
-        ("moriio_connector", "MoRIIOConnectorScheduler._release_write_prefill_blocks"),
         ("moriio_connector", "MoRIIOConnectorScheduler.update_state_after_alloc"),
         ("moriio_connector", "MoRIIOConnectorWorker.__init__"),
         ("moriio_connector", "MoRIIOConnectorWorker._moriio_handshake"),
     }
 )
+# 0.24 added the WRITE prefill-block release sender.
+_RELEASE = ("moriio_connector", "MoRIIOConnectorScheduler._release_write_prefill_blocks")
+_SHARED_SITES = _FIRST_SITES | {_RELEASE}
 _READ = ("moriio_connector", "MoRIIOConnectorWorker._read_blocks")
+_FINALIZE = ("moriio_engine", "MoRIIOWriter._finalize_if_complete")
 KNOWN_SITES: dict[str, frozenset[Site]] = {
+    # no release sender; the handshake dial omits the TP size; no READ release; WRITE port in
+    # finalize (finalize takes the task up to 0.23, the transfer id from 0.24)
+    "vllm-0.14-0.23": _FIRST_SITES | {_FINALIZE},
     # the handshake dial omits the TP size; no READ release; WRITE port in finalize
-    "vllm-0.24-0.26": _SHARED_SITES | {("moriio_engine", "MoRIIOWriter._finalize_if_complete")},
-    "vllm-0.27-0.30": _SHARED_SITES | {_READ, ("moriio_engine", "MoRIIOWriter._finalize_if_complete")},
+    "vllm-0.24-0.26": _SHARED_SITES | {_FINALIZE},
+    "vllm-0.27-0.30": _SHARED_SITES | {_READ, _FINALIZE},
     "vllm-0.31-0.32": _SHARED_SITES | {_READ, ("moriio_engine", "MoRIIOWriter._execute_write_task")},
     "vllm-0.33": _SHARED_SITES | {_READ, ("moriio_engine", "MoRIIOWriter._resolve_notify_endpoint")},
 }

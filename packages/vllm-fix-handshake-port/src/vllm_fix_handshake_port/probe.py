@@ -7,10 +7,11 @@ runs) for the ranks of a DP_local x TP = 2 x 2 engine, and reads the ports they 
   handshake port of ``MoRIIOConnectorWorker.__init__`` uses the same offset and needs a
   MORI engine to run, so it is not driven);
 * scheduler senders, on a decode-side scheduler as the engine core has it (no TP group in
-  that process): ``MoRIIOConnectorScheduler._release_write_prefill_blocks`` (the ports a
-  release for DP rank d goes to) and ``update_state_after_alloc`` in WRITE mode (the
-  ports its "blocks ready" notify for DP rank d goes to); ``_send_transfer_release`` /
-  ``send_notify_block`` are answered by recorders on the instance, as vLLM's own tests do;
+  that process): ``MoRIIOConnectorScheduler._release_write_prefill_blocks`` (0.24+: the
+  ports a release for DP rank d goes to) and ``update_state_after_alloc`` in WRITE mode
+  (every release: the ports its "blocks ready" notify for DP rank d goes to);
+  ``_send_transfer_release`` / ``send_notify_block`` are answered by recorders on the
+  instance, as vLLM's own tests do;
 * WRITE notify sender: ``MoRIIOWriter._execute_write_task`` then ``_finalize_if_complete``
   (the port the completion goes to), on a real ``MoRIIOWriter`` with vLLM's own
   ``WriteTask`` / ``RemoteAllocInfo``; the transport (``send_notify``) is a recorder;
@@ -19,11 +20,17 @@ runs) for the ranks of a DP_local x TP = 2 x 2 engine, and reads the ports they 
   it and stops the dial there, before any socket is made);
 * layout: ``from_vllm_config`` with notify_port inside the handshake block (overlap).
 
+What differs between releases is read from the installed code in one place,
+:func:`_installed` (which senders exist, how ``_finalize_if_complete`` is called, what
+keys a write allocation); every object is built from the installed signatures (dataclass
+fields, parameter names).
+
 ``from_vllm_config`` reads the TP group (``get_tensor_model_parallel_rank`` /
-``_world_size``) and opens sockets (``get_open_port``); a probe has no TP group and
-opens none, so those three names of ``moriio_common`` answer for the probe's rank for
-the duration of the probe (under a lock, restored after). Nothing else is set: the TP
-size the fix needs is read by the installed code from the same getter vLLM reads.
+``_world_size``) and opens sockets (``get_open_port``; ``get_ip`` on 0.14-0.23); a probe
+has no TP group and opens none, so those names of ``moriio_common`` answer for the
+probe's rank for the duration of the probe (under a lock, restored after). Nothing else
+is set: the TP size the fix needs is read by the installed code from the same getter
+vLLM reads.
 While the scheduler senders and the dialer run, the TP-group getters of ``moriio_common`` and
 ``moriio_connector`` answer as vLLM's do in an engine core without a TP group (they
 raise), whatever process the probe runs in: a sender that does not size the offset
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,8 +58,36 @@ PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 DP_LOCAL, TP = 2, 2
 HANDSHAKE, NOTIFY = 16301, 26005
 HOST = "127.0.0.1"
+# The router's request id embeds both peers' MoRIIO addresses (vLLM's moriio_common:
+# "___prefill_addr_{zmq}___decode_addr_{zmq}_{32-hex uuid}", zmq "host:IP,handshake:P,notify:P");
+# 0.20+ schedulers read the peer's notify base from it. Both peers here publish the same bases.
+_PEER_ZMQ = f"host:{HOST},handshake:{HANDSHAKE},notify:{NOTIFY}"
+
+
+def _router_request_id(name: str) -> str:
+    return f"{name}___prefill_addr_{_PEER_ZMQ}___decode_addr_{_PEER_ZMQ}_{'0' * 31}1"
+
 
 _LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Installed:
+    """What the installed release offers the probe (the one place release shapes are read)."""
+
+    release_sender: bool  # MoRIIOConnectorScheduler._release_write_prefill_blocks (0.24+)
+    finalize_takes_task: bool  # _finalize_if_complete(task, info) counting layers (0.14-0.23)
+    alloc_key: str  # the WriteTask field done_remote_allocate_req_dict is keyed by
+
+
+def _installed(common: ModuleType, connector: ModuleType, engine: ModuleType) -> _Installed:
+    finalize = inspect.signature(engine.MoRIIOWriter._finalize_if_complete)
+    task_fields = {f.name for f in dataclasses.fields(common.WriteTask)}
+    return _Installed(
+        release_sender=hasattr(connector.MoRIIOConnectorScheduler, "_release_write_prefill_blocks"),
+        finalize_takes_task=list(finalize.parameters)[1:2] == ["task"],
+        alloc_key="transfer_id" if "transfer_id" in task_fields else "request_id",
+    )
 
 
 def _mods() -> tuple[ModuleType, ModuleType, ModuleType]:
@@ -87,8 +123,11 @@ def _tp_group(common: ModuleType, connector: ModuleType, rank: _Rank) -> Iterato
         "get_tensor_model_parallel_rank": rank.rank,
         "get_tensor_model_parallel_world_size": rank.size,
     }
+    sockets: dict[str, Any] = {"get_open_port": lambda: 0}
+    if "get_ip" in vars(common):  # 0.14-0.23 read the local IP in from_vllm_config
+        sockets["get_ip"] = lambda: HOST
     layers: list[tuple[ModuleType, dict[str, Any]]] = [
-        (common, {**getters, "get_open_port": lambda: 0}),
+        (common, {**getters, **sockets}),
         (connector, {name: value for name, value in getters.items() if name in vars(connector)}),
     ]
     with _LOCK:
@@ -201,7 +240,7 @@ def _alloc_notify_ports(connector: ModuleType, common: ModuleType, dp: int) -> l
         "remote_dp_size": DP_LOCAL,
         "remote_dp_size_local": DP_LOCAL,
     }
-    request = SimpleNamespace(request_id=f"probe-alloc-request-{dp}", kv_transfer_params=params)
+    request = SimpleNamespace(request_id=_router_request_id(f"probe-alloc-{dp}"), kv_transfer_params=params)
     blocks = SimpleNamespace(get_block_ids=lambda: [[3, 4]])
     scheduler.update_state_after_alloc(request, blocks, 32)  # 32 tokens to fetch: not a local hit
     return sent
@@ -261,7 +300,7 @@ class _Transport:
     def send_notify(self, transfer_id: Any, remote_ip: Any, remote_port: Any, *a: Any, **k: Any) -> None:
         self.sent.append(int(remote_port))
 
-    def waiting_for_transfer_complete(self, statuses: Any, *a: Any, **k: Any) -> None:
+    def waiting_for_transfer_complete(self, *a: Any, **k: Any) -> None:  # statuses: 0.24+ only
         return None
 
     def _mark_transfer_terminal_locked(self, transfer_id: Any) -> None:
@@ -280,9 +319,12 @@ class _Worker:
         self.moriio_wrapper = _Transport()
         self.moriio_config = SimpleNamespace(defer_timeout=60.0)
         self.remote_dp_size_local = DP_LOCAL
+        self.num_layers = 1  # 0.14-0.23 finalize once every layer is written: one layer here
 
 
-def _write_notify_port(common: ModuleType, engine: ModuleType, dp: int, tp: int) -> int | None:
+def _write_notify_port(
+    common: ModuleType, engine: ModuleType, installed: _Installed, dp: int, tp: int
+) -> int | None:
     worker = _Worker(tp)
     writer = engine.MoRIIOWriter(worker)
     names = {f.name for f in dataclasses.fields(common.WriteTask)}
@@ -302,23 +344,28 @@ def _write_notify_port(common: ModuleType, engine: ModuleType, dp: int, tp: int)
     }
     task = common.WriteTask(**{k: v for k, v in fields.items() if k in names})
     info = common.RemoteAllocInfo(block_ids=None, decode_dp_rank=dp)
-    worker.moriio_wrapper.done_remote_allocate_req_dict["probe"] = info
+    key = getattr(task, installed.alloc_key)
+    worker.moriio_wrapper.done_remote_allocate_req_dict[key] = info
     writer._execute_write_task(task)  # blocks not ready: resolves the completion target, returns
-    info.writes_expected = 1
-    info.writes_done = 1
-    writer._finalize_if_complete("probe", info)
+    if installed.finalize_takes_task:
+        writer._finalize_if_complete(task, info)  # counts this layer's write: the last one
+    else:
+        info.writes_expected = 1
+        info.writes_done = 1
+        writer._finalize_if_complete(key, info)
     return worker.moriio_wrapper.sent[0] if worker.moriio_wrapper.sent else None
 
 
 def probe() -> ProbeReport:
     common, connector, engine = _mods()
+    installed = _installed(common, connector, engine)
     rank = _Rank()
     with _tp_group(common, connector, rank):
         listen = _listener_ports(common, rank)
         rank.tp_rank = 0
         layout_accepted = _layout_accepted(common)
         rank.in_group = False  # the scheduler senders run in the engine core: no TP group there
-        releases = {dp: _release_ports(connector, dp) for dp in range(DP_LOCAL)}
+        releases = {dp: _release_ports(connector, dp) for dp in range(DP_LOCAL) if installed.release_sender}
         allocs = {dp: _alloc_notify_ports(connector, common, dp) for dp in range(DP_LOCAL)}
         dials = {r: _dial_offset(connector, *r) for r in listen}
     owners: dict[int, tuple[int, int]] = {}
@@ -332,7 +379,7 @@ def probe() -> ProbeReport:
     write_misses = []
     for dp in range(DP_LOCAL):
         want = {listen[(dp, tp)] for tp in range(TP)}
-        got = releases[dp]
+        got = releases.get(dp, want)  # no release sender before 0.24: nothing to miss
         if got != want:
             release_misses.append(
                 f"a release for DP rank {dp} goes to {sorted(got)}, its ranks listen on {sorted(want)}"
@@ -344,7 +391,7 @@ def probe() -> ProbeReport:
                 f"its ranks listen on {sorted(want)}"
             )
         for tp in range(TP):
-            notify = _write_notify_port(common, engine, dp, tp)
+            notify = _write_notify_port(common, engine, installed, dp, tp)
             if notify != listen[(dp, tp)]:
                 write_misses.append(
                     f"WRITE completion for {(dp, tp)} goes to {notify}, it listens on {listen[(dp, tp)]}"
@@ -357,6 +404,12 @@ def probe() -> ProbeReport:
         for r, port in listen.items()
         if dials[r] is None or NOTIFY + int(dials[r] or 0) != port
     ]
+    # The release sender exists from 0.24 on: checked where it is there.
+    release_checks = (
+        [Check("release-misses-listener", bool(release_misses), "; ".join(release_misses[:1]), guard=True)]
+        if installed.release_sender
+        else []
+    )
     explicit = common.get_port_offset(3, 1, 4)
     return ProbeReport(
         (
@@ -371,7 +424,7 @@ def probe() -> ProbeReport:
                 else "",
             ),
             # Guards: the senders must reach the ranks' listeners, whatever the convention.
-            Check("release-misses-listener", bool(release_misses), "; ".join(release_misses[:1]), guard=True),
+            *release_checks,
             Check(
                 "alloc-notify-misses-listener", bool(alloc_misses), "; ".join(alloc_misses[:1]), guard=True
             ),
