@@ -122,35 +122,81 @@ def _first_failure(statuses: list[Any]) -> str:
     return "no status reports a failure"
 
 
+Verdict = tuple[str, list[Any], Outcome, "float | None"]
+
+
+def _verdicts(worker: Any, now: float, timeout: float) -> list[Verdict]:
+    """Poll every tracked READ once (under the wrapper's lock): the ones that are settled."""
+    mc = _mc()
+    done_state, failed_state = mc.TransferBatchState.DONE, mc.TransferBatchState.FAILED
+    verdicts: list[Verdict] = []
+    for req_id, by_layer in list(worker._recving_transfers.items()):
+        statuses = [status for layer in by_layer.values() for status in layer]
+        state = worker.moriio_wrapper.poll_transfer_batch(statuses)
+        start = worker._recving_transfers_start.get(req_id)
+        age = None if start is None else now - start
+        outcome = classify(
+            has_statuses=bool(statuses),
+            done=state is done_state,
+            failed=state is failed_state,
+            age=age,
+            timeout=timeout,
+        )
+        if outcome is not Outcome.PENDING:
+            verdicts.append((req_id, statuses, outcome, age))
+    return verdicts
+
+
+def _what(statuses: list[Any], outcome: Outcome, age: float | None, timeout: float) -> str:
+    if outcome is Outcome.FAILED:
+        return f"READ failed: {_first_failure(statuses)}"
+    if outcome is Outcome.TIMED_OUT:
+        return f"READ timed out after {age:.1f}s (recv_abort_timeout={timeout:.0f}s)"
+    return ""
+
+
+def _release(worker: Any, release: Release, req_id: str, completed: set[str], must_complete: bool) -> None:
+    host, ports, transfer_id = worker._recving_transfers_callback_addr[req_id]
+    if must_complete:
+        release(worker, transfer_id, host, ports)
+        completed.add(transfer_id)
+        return
+    try:
+        release(worker, transfer_id, host, ports)
+    except Exception:
+        logger.exception("MoRIIO request %s: sending the release failed", req_id)
+
+
+def _drop(worker: Any, req_id: str) -> None:
+    del worker._recving_transfers[req_id]
+    worker._recving_transfers_callback_addr.pop(req_id, None)
+    worker._recving_transfers_start.pop(req_id, None)
+    worker._recving_local_blocks.pop(req_id, None)
+
+
+def _fail_closed(fatal: list[str]) -> None:
+    message = (
+        "MoRIIO hybrid READ cannot complete, failing the step: "
+        + "; ".join(fatal)
+        + ". Nothing was released or reported and the transfers stay tracked, because "
+        "RDMA may still write into their blocks; the producer reclaims its blocks "
+        "through its own timeout."
+    )
+    logger.error("%s", message)
+    raise _mc().TransferError(message)
+
+
 def make_pop_done_transfers(release: Release) -> Callable[[Any], set[str]]:
     """Our ``_pop_done_transfers`` for one way of releasing (see RELEASES)."""
 
     def _pop_done_transfers(self: Any) -> set[str]:
-        mc = _mc()
-        done_state, failed_state = mc.TransferBatchState.DONE, mc.TransferBatchState.FAILED
         timeout = self.moriio_config.recv_abort_timeout
         completed: set[str] = set()
         fatal: list[str] = []
         with self.moriio_wrapper.lock:
-            now = time.monotonic()
             # One poll per transfer, all under the lock: the verdict and what we do
             # about it can never disagree (see the module docstring).
-            verdicts: list[tuple[str, list[Any], Outcome, float | None]] = []
-            for req_id, by_layer in list(self._recving_transfers.items()):
-                statuses = [status for layer in by_layer.values() for status in layer]
-                state = self.moriio_wrapper.poll_transfer_batch(statuses)
-                start = self._recving_transfers_start.get(req_id)
-                age = None if start is None else now - start
-                outcome = classify(
-                    has_statuses=bool(statuses),
-                    done=state is done_state,
-                    failed=state is failed_state,
-                    age=age,
-                    timeout=timeout,
-                )
-                if outcome is not Outcome.PENDING:
-                    verdicts.append((req_id, statuses, outcome, age))
-            for req_id, statuses, outcome, age in verdicts:
+            for req_id, statuses, outcome, age in _verdicts(self, time.monotonic(), timeout):
                 # Whether the model is hybrid matters only for a READ that failed or
                 # timed out; vLLM's own body reads _has_mamba only there too (in
                 # _record_failed_recv), so a completed or pending READ needs no more
@@ -159,12 +205,7 @@ def make_pop_done_transfers(release: Release) -> Callable[[Any], set[str]]:
                 plan = ownership(outcome, hybrid=hybrid)
                 if not plan.acts:
                     continue
-                if outcome is Outcome.FAILED:
-                    what = f"READ failed: {_first_failure(statuses)}"
-                elif outcome is Outcome.TIMED_OUT:
-                    what = f"READ timed out after {age:.1f}s (recv_abort_timeout={timeout:.0f}s)"
-                else:
-                    what = ""
+                what = _what(statuses, outcome, age, timeout)
                 if plan.fail_closed:
                     fatal.append(f"{req_id}: {what}")
                     continue
@@ -179,30 +220,11 @@ def make_pop_done_transfers(release: Release) -> Callable[[Any], set[str]]:
                 if plan.report:
                     self._record_failed_recv(req_id)
                 if plan.release:
-                    host, ports, transfer_id = self._recving_transfers_callback_addr[req_id]
-                    if plan.completed:
-                        release(self, transfer_id, host, ports)
-                        completed.add(transfer_id)
-                    else:
-                        try:
-                            release(self, transfer_id, host, ports)
-                        except Exception:
-                            logger.exception("MoRIIO request %s: sending the release failed", req_id)
+                    _release(self, release, req_id, completed, must_complete=plan.completed)
                 if plan.drop:
-                    del self._recving_transfers[req_id]
-                    self._recving_transfers_callback_addr.pop(req_id, None)
-                    self._recving_transfers_start.pop(req_id, None)
-                    self._recving_local_blocks.pop(req_id, None)
+                    _drop(self, req_id)
         if fatal:
-            message = (
-                "MoRIIO hybrid READ cannot complete, failing the step: "
-                + "; ".join(fatal)
-                + ". Nothing was released or reported and the transfers stay tracked, because "
-                "RDMA may still write into their blocks; the producer reclaims its blocks "
-                "through its own timeout."
-            )
-            logger.error("%s", message)
-            raise mc.TransferError(message)
+            _fail_closed(fatal)
         return completed
 
     _pop_done_transfers.__qualname__ = "MoRIIOConnectorWorker._pop_done_transfers"
