@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
 
-from vllm_fix_core import Rung, Settings, evaluate, runtime
+from vllm_fix_core import runtime
 from vllm_fix_core.patching import original_of
 from vllm_fix_mr_extent import FIX, patch, probe
 from vllm_fix_mr_extent.rule import PAGE_SIZE, Region, SharedMRPlan
-from vllm_fix_testing import applied, assert_every_target_observed
+from vllm_fix_testing import applied, assert_every_target_observed, assert_verification_fails
 from vllm_fix_testing import kv_storage as kv
 from vllm_fix_testing.hostile import patched_targets
 
@@ -81,10 +81,7 @@ BREAKS = {
 def test_broken_rule_fails_verification(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     attr, breaker, expected = BREAKS[name]
     monkeypatch.setattr(patch, attr, breaker(getattr(patch, attr)))
-    decision = evaluate(FIX, Settings(disabled=frozenset(), strict=False), apply=True, honour_disable=False)
-    assert decision.rung is Rung.FAILED, decision.reason
-    assert decision.after is not None
-    assert expected <= set(decision.after.names(True)), decision.after.summary()
+    assert_verification_fails(FIX, expected)
     assert WORKER.__dict__["_build_shared_kv_mr"] is ORIGINAL  # the ladder reverted exactly
 
 

@@ -15,12 +15,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_fix_core import Rung, Settings, evaluate, runtime
+from vllm_fix_core import runtime
 from vllm_fix_core.patching import original_of
 from vllm_fix_read_failure_ownership import FIX, patch
 from vllm_fix_read_failure_ownership.rule import Outcome as RuleOutcome
 from vllm_fix_read_failure_ownership.rule import Ownership
-from vllm_fix_testing import applied, assert_every_target_observed, done, failed, pending
+from vllm_fix_testing import (
+    applied,
+    assert_every_target_observed,
+    assert_verification_fails,
+    done,
+    failed,
+    pending,
+)
 from vllm_fix_testing.hostile import patched_targets
 
 TARGET = "MoRIIOConnectorWorker._pop_done_transfers"
@@ -87,10 +94,7 @@ def test_broken_rule_fails_verification(name: str, monkeypatch: pytest.MonkeyPat
     original = cls.__dict__["_pop_done_transfers"]
     attr, breaker, expected = BREAKS[name]
     monkeypatch.setattr(patch, attr, breaker(getattr(patch, attr)))
-    decision = evaluate(FIX, Settings(disabled=frozenset(), strict=False), apply=True, honour_disable=False)
-    assert decision.rung is Rung.FAILED, decision.reason
-    assert decision.after is not None
-    assert expected <= set(decision.after.names(True)), decision.after.summary()
+    assert_verification_fails(FIX, expected)
     assert cls.__dict__["_pop_done_transfers"] is original  # the ladder reverted exactly
 
 

@@ -35,6 +35,7 @@ from vllm_fix_testing.engine import (
 from vllm_fix_testing.hostile import (
     assert_every_target_observed,
     assert_hostile_wrapper_fails,
+    assert_verification_fails,
     hostile_decision,
 )
 from vllm_fix_testing.real import (
@@ -67,6 +68,7 @@ __all__ = [
     "applied",
     "assert_every_target_observed",
     "assert_hostile_wrapper_fails",
+    "assert_verification_fails",
     "done",
     "failed",
     "hostile_decision",

@@ -25,7 +25,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from vllm_fix_core import Decision, Fix, FixFailed, PatchSet, Rung, Settings, evaluate, original_of
@@ -145,6 +145,24 @@ def _check_fails(fix: Fix, only: str | None) -> Decision:
 def assert_hostile_wrapper_fails(fix: Fix) -> Decision:
     """vLLM's originals over every patched target: "failed to fix", exact revert, FixFailed strict."""
     return _check_fails(fix, None)
+
+
+def assert_verification_fails(fix: Fix, symptoms: Collection[str] = ()) -> Decision:
+    """The real ladder on `fix` (a rule of its patch broken by the caller, say) must answer
+    "failed to fix", with `symptoms` among what the probe still saw, and leave every declared
+    target exactly as it was."""
+    before = target_objects(fix)
+    decision = evaluate(fix, Settings(disabled=frozenset(), strict=False), apply=True, honour_disable=False)
+    if decision.patch is not None:
+        decision.patch.revert()
+    assert decision.rung is Rung.FAILED, (
+        f"{fix.id}: the ladder said {decision.rung.value!r} ({decision.reason})"
+    )
+    assert decision.after is not None, decision.reason
+    assert set(symptoms) <= set(decision.after.names(True)), decision.after.summary()
+    after = target_objects(fix)
+    assert all(after[k] is v for k, v in before.items()), f"{fix.id}: targets not restored exactly"
+    return decision
 
 
 def assert_every_target_observed(fix: Fix) -> dict[str, Decision]:
