@@ -156,7 +156,7 @@ def step(sched: Any, worker: Any, op: tuple[Any, ...]) -> None:
         out = KVConnectorOutput(finished_sending=sending, finished_recving=recving)
         if hasattr(out, "failed_recving"):  # vLLM 0.30.0+
             out.failed_recving = set(failed)
-        if with_meta:
+        if with_meta and hasattr(m, "MultiKVConnectorWorkerMetadata"):  # vLLM 0.18.1+
             out.kv_connector_worker_meta = m.MultiKVConnectorWorkerMetadata(metadata=(None,) * CHILDREN)
         for child, answer in zip(sched._connectors, edits, strict=True):
             child.answer = answer

@@ -13,7 +13,7 @@ FIX = Fix(
         "With MultiConnector[MoRIIO READ producer, X] where X also holds blocks until its own "
         "save finishes (HF3FS, LMCacheMP, ...), MultiConnector counts completions "
         "anonymously and hands every child the same output object (every vLLM release from "
-        "0.24.0 to 0.33.0). "
+        "0.14.1, where MoRIIO entered, to 0.33.0). "
         "A request only X holds is swallowed by MoRIIO's rewrite of finished_sending, so its "
         "KV blocks leak until new requests wait forever (D1). With async scheduling the worker "
         "learns the second owner a step late, frees on MoRIIO's ACK alone and then swallows "
@@ -34,10 +34,11 @@ FIX = Fix(
         "watchdog completes that child only; a request reaches finished_sending exactly once, "
         "when every owner completed on every worker. Bodies of update_connector_output, "
         "register_finished_partial_tail and get_transfer_results (0.30.0+) or get_finished "
-        "(0.24.0-0.29.0) are replaced only for fingerprinted shapes (refused otherwise); "
-        "_aggregate_request_finished, get_num_new_matched_tokens, build_connector_meta and "
-        "bind_connector_metadata are re-implemented for their known fingerprints and wrapped "
-        "when their body is unknown but structurally right."
+        "(0.14.1-0.29.0), and request_finished where it counts the children itself "
+        "(0.14.1-0.20.2), are replaced only for fingerprinted shapes (refused otherwise); "
+        "_aggregate_request_finished (0.21.0+), get_num_new_matched_tokens, "
+        "build_connector_meta and bind_connector_metadata are re-implemented for their known "
+        "fingerprints and wrapped when their body is unknown but structurally right."
     ),
     retire_when=(
         "vLLM's MultiConnector tracks completion owners per child itself (vllm-project/vllm"
@@ -45,7 +46,11 @@ FIX = Fix(
         "patched; drop the package once every supported vLLM release has it."
     ),
     targets=(
-        Target(MODULE, "MultiConnector._aggregate_request_finished", ProcessKind.ENGINE_CORE),
+        # vLLM 0.14.1-0.20.2: request_finished counts the children's answers itself and is
+        # replaced there; from 0.21.0 on it delegates to _aggregate_request_finished (not touched).
+        Target(MODULE, "MultiConnector.request_finished", ProcessKind.ENGINE_CORE),
+        # vLLM 0.21.0+ only
+        Target(MODULE, "MultiConnector._aggregate_request_finished", ProcessKind.ENGINE_CORE, optional=True),
         # vLLM 0.30.0+ only
         Target(
             MODULE, "MultiConnector.register_finished_partial_tail", ProcessKind.ENGINE_CORE, optional=True
@@ -56,7 +61,7 @@ FIX = Fix(
         Target(MODULE, "MultiConnector.bind_connector_metadata", ProcessKind.WORKER),
         # vLLM 0.30.0+: the worker entry point (get_finished delegates to it there)
         Target(MODULE, "MultiConnector.get_transfer_results", ProcessKind.WORKER, optional=True),
-        # vLLM 0.24.0-0.29.0: get_finished aggregates the children itself and is replaced
+        # vLLM 0.14.1-0.29.0: get_finished aggregates the children itself and is replaced
         # there; from 0.30.0 on it delegates to get_transfer_results and is not touched.
         Target(MODULE, "MultiConnector.get_finished", ProcessKind.WORKER),
     ),

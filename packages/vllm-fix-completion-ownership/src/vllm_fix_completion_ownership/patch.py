@@ -2,9 +2,11 @@
 
 Scheduler side (engine-core process):
 
-* ``_aggregate_request_finished`` (wrapped) records which children asked to hold R's
-  blocks; together with ``register_finished_partial_tail`` acceptors (body replaced
-  for the fingerprinted shape: the original only returns ``any(...)``) that is O(R).
+* ``_aggregate_request_finished`` (vLLM 0.21.0+; re-implemented or wrapped) records which
+  children asked to hold R's blocks; on older MultiConnectors (0.14.1-0.20.2), where
+  ``request_finished`` counts the children itself, that body is replaced for its
+  fingerprint instead. Together with ``register_finished_partial_tail`` acceptors (body
+  replaced for the fingerprinted shape: the original only returns ``any(...)``) that is O(R).
 * ``get_num_new_matched_tokens`` (wrapped) records R's loader child.
 * ``build_connector_meta`` (wrapped) attaches the per-step update for the workers to
   the MultiKVConnectorMetadata as a plain-builtins instance attribute. vLLM's own
@@ -46,28 +48,46 @@ WARNED_ATTR = "_vllm_fix_co_warned"
 # read could drop whatever a newer vLLM added there. The methods the fix only wraps are
 # checked structurally (signature plus the one statement the wrapper relies on).
 REPLACED_KNOWN: dict[str, frozenset[str]] = {
-    # identical in vLLM 0.24.0-0.33.0
-    "update_connector_output": frozenset({"de11883c83c8f2f0"}),
+    # 0.18.1-0.33.0 (each child gets its own worker metadata); 0.14.1-0.17.1 (SHARED_OUTPUT)
+    "update_connector_output": frozenset({"de11883c83c8f2f0", "79dbaa4afe65ad68"}),
+    # 0.14.1-0.20.2: request_finished counts the children itself (no _aggregate_request_finished)
+    "request_finished": frozenset({"37d9b9269e5279c1"}),
     # vLLM 0.30.0-0.33.0
     "register_finished_partial_tail": frozenset({"426193006a217f78"}),
     "get_transfer_results": frozenset({"7123931bde7366b2"}),
-    # vLLM 0.24.0-0.29.0: get_finished counts the children's reports itself
+    # vLLM 0.14.1-0.29.0: get_finished counts the children's reports itself
     "get_finished": frozenset({"6ac38285a88fad53"}),
 }
+# update_connector_output bodies that hand every child the same output, with no per-child
+# worker metadata (vLLM 0.14.1-0.17.1, whose KVConnectorOutput has no kv_connector_worker_meta).
+SHARED_OUTPUT_KNOWN = frozenset({"79dbaa4afe65ad68"})
 # Called every step (scheduler / each worker): their bodies are replaced where the
 # fingerprint is known (identical in 0.24.0-0.33.0), which saves a wrapper call per step;
 # any other shape that passes the structural check is wrapped instead.
 PER_STEP_KNOWN: dict[str, frozenset[str]] = {
     "build_connector_meta": frozenset({"470e5419a221ef57"}),
     "bind_connector_metadata": frozenset({"8be0274e5521afa2"}),
-    # per finished / newly scheduled request; 0.25.1-0.33.0 (0.24.0's
+    # per finished / newly scheduled request; 0.25.1-0.33.0 (0.21.0-0.24.0's
     # _aggregate_request_finished refuses a second kv_transfer_params: wrapped there)
     "_aggregate_request_finished": frozenset({"b2cef0b6d02a5514"}),
     "get_num_new_matched_tokens": frozenset({"c843512372e3d720"}),
 }
-# Two shapes of the worker side:
+# The shape recognize() returns is the worker side, plus "+"-joined scheduler-side parts where
+# the MultiConnector is older than 0.21.0. All release-specific knowledge of this fix is here:
+#
+#   vLLM            shape                                        replaced on top of the common set
+#   0.30.0-0.33.0   transfer-results                             get_transfer_results, register_..._tail
+#   0.21.0-0.29.0   get-finished                                 get_finished
+#   0.18.1-0.20.2   get-finished+request-finished                get_finished, request_finished
+#   0.14.1-0.17.1   get-finished+request-finished+shared-output  the same; update_connector_output
+#                                                                without per-child worker metadata
+#
+# (common set: update_connector_output, build_connector_meta, bind_connector_metadata,
+# get_num_new_matched_tokens, and _aggregate_request_finished where it exists.)
 TRANSFER_RESULTS = "transfer-results"  # 0.30.0+: get_finished delegates to get_transfer_results
-GET_FINISHED = "get-finished"  # 0.24.0-0.29.0: get_finished aggregates the children's get_finished
+GET_FINISHED = "get-finished"  # 0.14.1-0.29.0: get_finished aggregates the children's get_finished
+REQUEST_FINISHED = "request-finished"  # 0.14.1-0.20.2: request_finished counts the children itself
+SHARED_OUTPUT = "shared-output"  # 0.14.1-0.17.1: one output for all children, no worker metadata
 META_FIELDS = ["metadata", "extra_async_saves"]
 
 _logger = get_logger("completion-ownership")
@@ -124,20 +144,34 @@ _STRUCTURE = {
 
 
 def recognize() -> str:
-    """The worker-side shape (TRANSFER_RESULTS or GET_FINISHED), or UnknownShape."""
+    """The shape (see the table above: the worker side, plus the older scheduler-side parts),
+    or UnknownShape."""
     mod = _module()
     cls = mod.MultiConnector
     meta_cls = mod.MultiKVConnectorMetadata
     fields = [f.name for f in dataclasses.fields(meta_cls)] if dataclasses.is_dataclass(meta_cls) else None
     if fields != META_FIELDS or "__slots__" in meta_cls.__dict__:
         raise UnknownShape(f"MultiKVConnectorMetadata fields are {fields}, expected {META_FIELDS}")
+    older: list[str] = []
+    if "_aggregate_request_finished" not in cls.__dict__:
+        # vLLM 0.14.1-0.20.2: request_finished is where the children's answers are counted.
+        if "request_finished_all_groups" in cls.__dict__:
+            raise UnknownShape(
+                "MultiConnector has request_finished_all_groups but no _aggregate_request_finished"
+            )
+        _require_known(cls, "request_finished")
+        older.append(REQUEST_FINISHED)
     for name, (params, needle) in _STRUCTURE.items():
         method = cls.__dict__.get(name)
         if method is None:
+            if name == "_aggregate_request_finished":
+                continue
             raise UnknownShape(f"MultiConnector.{name} is not defined on the class")
         if _params(method) != params or needle not in _source(method):
             raise UnknownShape(f"MultiConnector.{name} no longer has the expected structure ({needle!r})")
     _require_known(cls, "update_connector_output")
+    if ast_fingerprint(cls.__dict__["update_connector_output"]) in SHARED_OUTPUT_KNOWN:
+        older.append(SHARED_OUTPUT)
     if "register_finished_partial_tail" in cls.__dict__:
         _require_known(cls, "register_finished_partial_tail")
     if "get_transfer_results" in cls.__dict__:
@@ -145,9 +179,9 @@ def recognize() -> str:
         finished = cls.__dict__["get_finished"]
         if "self.get_transfer_results(" not in _source(finished):
             raise UnknownShape("MultiConnector.get_finished does not delegate to get_transfer_results")
-        return TRANSFER_RESULTS
+        return "+".join([TRANSFER_RESULTS, *older])
     _require_known(cls, "get_finished")
-    return GET_FINISHED
+    return "+".join([GET_FINISHED, *older])
 
 
 # ---------------------------------------------------------------------------- scheduler side
@@ -196,6 +230,33 @@ def _aggregate_request_finished(self: Any, request: Any, per_connector_fn: Any) 
                 kv_txfer_params.update(txfer_params)
             else:
                 kv_txfer_params = txfer_params
+    if async_saves > 1:
+        self._extra_async_saves[request.request_id] = async_saves - 1
+    self._requests_to_connector.pop(request.request_id, None)
+    ledger = self.__dict__.get(LEDGER_ATTR)
+    if ledger is None:
+        ledger = ledger_of(self)
+    ledger.record_finished(request.request_id, owners)
+    return async_saves > 0, kv_txfer_params
+
+
+def _request_finished_counting(self: Any, request: Any, blocks: list[int]) -> Any:
+    """vLLM's request_finished (0.14.1-0.20.2, where it counts the children itself), plus the
+    owner set: the children that said True."""
+    async_saves = 0
+    kv_txfer_params = None
+    owners = 0  # a mask: child i is bit 1 << i
+    bit = 1
+    for c in self._connectors:
+        async_save, txfer_params = c.request_finished(request, blocks)
+        if async_save:
+            async_saves += 1
+            owners |= bit
+        bit <<= 1
+        if txfer_params is not None:
+            if kv_txfer_params is not None:
+                raise RuntimeError("Only one connector can produce KV transfer params")  # as vLLM
+            kv_txfer_params = txfer_params
     if async_saves > 1:
         self._extra_async_saves[request.request_id] = async_saves - 1
     self._requests_to_connector.pop(request.request_id, None)
@@ -376,6 +437,34 @@ def _update_connector_output(self: Any, connector_output: Any) -> None:
     connector_output.finished_sending = ledger.surface() if ledger.done or ledger.ready else None
 
 
+def _update_connector_output_shared(self: Any, connector_output: Any) -> None:
+    """vLLM 0.14.1-0.17.1 shape (every child gets the same output, no per-child worker
+    metadata): each child sees a private view; R is surfaced once all of O(R) completed."""
+    ledger = self.__dict__.get(LEDGER_ATTR)
+    if ledger is None:
+        ledger = ledger_of(self)
+    incoming = connector_output.finished_sending
+    if incoming:
+        ledger.note_workers_done(incoming)
+    recv = connector_output.finished_recving
+    failed = connector_output.failed_recving if _HAS_FAILED else None
+    if recv or failed:
+        _update_routed(self, ledger, connector_output, None, recv, failed)
+        return
+    held = ledger.held
+    for index, child in enumerate(self._connectors):
+        connector_output.finished_sending = set(held[index]) if held[index] else None
+        child.update_connector_output(connector_output)
+        returned = connector_output.finished_sending
+        if returned:
+            ignored = ledger.let_go(index, returned)
+            if ignored:
+                _ignored(index, child, ignored)
+        if connector_output.finished_recving or (_HAS_FAILED and connector_output.failed_recving):
+            _own_recv_only(self, connector_output, index)
+    connector_output.finished_sending = ledger.surface() if ledger.done or ledger.ready else None
+
+
 def _own_recv_only(self: Any, output: Any, index: int) -> None:
     """A child added recv ids of its own: keep the ones it may report (its own loads, or an
     unknown loader); the children after it see them as vLLM shows them."""
@@ -414,7 +503,8 @@ def _update_routed(
             if _HAS_FAILED:
                 _apply_view_edits(final_failed, view_failed, output.failed_recving, loaders, index)
     finally:
-        output.kv_connector_worker_meta = multi_meta
+        if _HAS_WORKER_META:
+            output.kv_connector_worker_meta = multi_meta
         output.finished_recving = final_recv or None
         if _HAS_FAILED:
             output.failed_recving = final_failed
@@ -503,19 +593,25 @@ def _per_step_known(cls: Any, name: str) -> bool:
 
 
 _HAS_FAILED = True  # KVConnectorOutput.failed_recving exists (vLLM 0.30.0+)
+_HAS_WORKER_META = True  # KVConnectorOutput.kv_connector_worker_meta exists (vLLM 0.18.1+)
 
 
 def apply(patch: PatchSet, shape: str) -> None:
-    global _HAS_FAILED
+    global _HAS_FAILED, _HAS_WORKER_META
     mod = _module()
     cls = mod.MultiConnector
     from vllm.v1.outputs import KVConnectorOutput
 
-    _HAS_FAILED = "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}
-    _vllm["MultiKVConnectorWorkerMetadata"] = mod.MultiKVConnectorWorkerMetadata
+    parts = shape.split("+")
+    output_fields = {f.name for f in dataclasses.fields(KVConnectorOutput)}
+    _HAS_FAILED = "failed_recving" in output_fields
+    _HAS_WORKER_META = "kv_connector_worker_meta" in output_fields
+    _vllm["MultiKVConnectorWorkerMetadata"] = getattr(mod, "MultiKVConnectorWorkerMetadata", None)
     _vllm["MultiKVConnectorMetadata"] = mod.MultiKVConnectorMetadata
     _vllm["MultiConnector"] = cls
-    if _per_step_known(cls, "_aggregate_request_finished"):
+    if REQUEST_FINISHED in parts:
+        patch.replace(cls, "request_finished", _request_finished_counting)
+    elif _per_step_known(cls, "_aggregate_request_finished"):
         patch.replace(cls, "_aggregate_request_finished", _aggregate_request_finished)
     else:
         patch.wrap(cls, "_aggregate_request_finished", _aggregate_wrapper)
@@ -527,14 +623,17 @@ def apply(patch: PatchSet, shape: str) -> None:
         patch.replace(cls, "build_connector_meta", _build_connector_meta)
     else:
         patch.wrap(cls, "build_connector_meta", _build_meta_wrapper)
-    patch.replace(cls, "update_connector_output", _update_connector_output)
+    if SHARED_OUTPUT in parts:
+        patch.replace(cls, "update_connector_output", _update_connector_output_shared)
+    else:
+        patch.replace(cls, "update_connector_output", _update_connector_output)
     if _per_step_known(cls, "bind_connector_metadata"):
         patch.replace(cls, "bind_connector_metadata", _bind_connector_metadata)
     else:
         patch.wrap(cls, "bind_connector_metadata", _bind_wrapper)
     if "register_finished_partial_tail" in cls.__dict__:
         patch.replace(cls, "register_finished_partial_tail", _register_finished_partial_tail)
-    if shape == TRANSFER_RESULTS:
+    if parts[0] == TRANSFER_RESULTS:
         _vllm["KVConnectorTransferResults"] = mod.KVConnectorTransferResults
         _originals["get_transfer_results"] = original_of(cls, "get_transfer_results")
         patch.replace(cls, "get_transfer_results", _get_transfer_results)

@@ -15,7 +15,7 @@ made with ``__new__`` plus the three attributes its completion methods read
 (``_connectors``, ``_requests_to_connector``, ``_extra_async_saves``): its constructor
 needs a whole ``VllmConfig`` and instantiates the configured connectors.
 
-Checks (each affected on every vLLM release 0.24.0-0.33.0):
+Checks (each affected on every vLLM release 0.14.1-0.33.0, the partial tail on 0.30.0+):
 
 * ``swallowed-completion`` (D1): a request held only by child 1 disappears when child 0
   rewrites the shared output, so it is never freed;
@@ -41,6 +41,7 @@ reports it too.
 from __future__ import annotations
 
 import functools
+import inspect
 import pickle
 from typing import Any
 
@@ -139,8 +140,30 @@ def multi_connector(children: list[Any]) -> Any:
     return mc
 
 
+@functools.lru_cache(maxsize=1)
+def _request_extra_arguments() -> tuple[tuple[str, None], ...]:
+    """Required Request parameters beyond the four every release takes, read from the
+    installed signature (vLLM 0.14.1-0.16.0 also require ``eos_token_id: int | None``): each
+    one whose annotation admits None gets None. Any other required parameter is left out, so
+    vLLM's own TypeError says what this release needs ("cannot check")."""
+    from vllm.v1.request import Request
+
+    extra: list[tuple[str, None]] = []
+    for name, param in inspect.signature(Request.__init__).parameters.items():
+        if name in _REQUEST_BASE or name == "self" or param.default is not inspect.Parameter.empty:
+            continue
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if "None" in str(param.annotation) or "Optional" in str(param.annotation):
+            extra.append((name, None))
+    return tuple(extra)
+
+
+_REQUEST_BASE = frozenset({"request_id", "prompt_token_ids", "sampling_params", "pooling_params"})
+
+
 def request(req_id: str) -> Any:
-    """A real vLLM Request (vLLM's own constructor)."""
+    """A real vLLM Request (vLLM's own constructor, with the installed signature)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -149,6 +172,7 @@ def request(req_id: str) -> Any:
         prompt_token_ids=[1, 2, 3],
         sampling_params=SamplingParams(max_tokens=1),
         pooling_params=None,
+        **dict(_request_extra_arguments()),
     )
 
 
