@@ -33,7 +33,7 @@ LADDER = Settings(disabled=frozenset(), strict=False)
 
 
 def test_every_patched_target_is_observed() -> None:
-    """0.24.0 - 0.33.0 are all affected: every target, undone alone, is seen."""
+    """0.14.1 - 0.33.0 are all affected: every target, undone alone, is seen."""
     before = set(threading.enumerate())
     assert FIX.run_probe().affected
     decisions = assert_every_target_observed(FIX)

@@ -52,7 +52,7 @@ def _mori(version: str | None) -> AbstractContextManager[Any]:
 
 @pytest.mark.parametrize("version", list(MORIS.values()), ids=list(MORIS))
 def test_every_patched_target_is_observed(version: str | None) -> None:
-    """Every release 0.24.0 - 0.33.0 is affected: each target, undone alone, is seen."""
+    """Every release 0.14.1 - 0.33.0 is affected: each target, undone alone, is seen."""
     before = set(threading.enumerate())
     with _mori(version):
         assert FIX.run_probe().affected

@@ -15,7 +15,16 @@ from packaging.version import Version
 
 from vllm_fix_read_eligibility import FIX
 from vllm_fix_read_eligibility.patch import block_layout
-from vllm_fix_read_eligibility.probe import PLAIN, PROMPT, consumer, malformed, matched, request, well_formed
+from vllm_fix_read_eligibility.probe import (
+    PLAIN,
+    PROMPT,
+    consumer,
+    malformed,
+    matched,
+    request,
+    row_id,
+    well_formed,
+)
 from vllm_fix_testing import applied, vllm_version
 
 PLAIN_FIXED_UPSTREAM = vllm_version() >= Version("0.33.0")
@@ -36,9 +45,9 @@ def test_plain_request_claims_remote_kv_until_0_33(case: str) -> None:
 def test_malformed_remote_prefill_claims_remote_kv(case: str) -> None:
     """Negative control on every release: do_remote_prefill with params that cannot drive
     a READ (empty groups included) claims N-1 tokens; patched it claims none."""
-    assert matched(consumer(), MALFORMED[case]) == (PROMPT - 1, False)
+    assert matched(consumer(), MALFORMED[case], rid=row_id(case)) == (PROMPT - 1, False)
     with applied(FIX):
-        assert matched(consumer(), MALFORMED[case]) == (0, False)
+        assert matched(consumer(), MALFORMED[case], rid=row_id(case)) == (0, False)
 
 
 def test_malformed_params_warn_once_naming_the_request(caplog: pytest.LogCaptureFixture) -> None:
@@ -56,11 +65,17 @@ def test_malformed_params_warn_once_naming_the_request(caplog: pytest.LogCapture
 
 @pytest.mark.parametrize("computed", [0, 16, 31, 32])
 def test_well_formed_remote_prefill_claims_what_vllm_claims(computed: int) -> None:
+    """An eligible remote prefill gets vLLM's own answer, whatever the computed prefix: N-c-1,
+    clamped at 0 from vLLM 0.31.0; before, ``-1`` for a prompt fully computed locally (a
+    value vLLM's scheduler never passes while the request still asks for its READ: its
+    prefix-cache hit stops at N-1 and the flag is cleared at the first allocation). The
+    wrapper passes that through unchanged: clamping it to 0 would leave the scheduler
+    nothing to schedule for the request (``assert num_new_tokens > 0``)."""
     params = well_formed(block_layout())
-    expected = (max(PROMPT - computed - 1, 0), False)
-    assert matched(consumer(), params, computed) == expected
+    unpatched = matched(consumer(), params, computed)
+    assert unpatched in {(PROMPT - computed - 1, False), (max(PROMPT - computed - 1, 0), False)}
     with applied(FIX):
-        assert matched(consumer(), params, computed) == expected
+        assert matched(consumer(), params, computed) == unpatched
 
 
 def side(*, read: bool, producer: bool) -> Any:

@@ -179,7 +179,8 @@ def probe_worker(
         worker: Any = None
         try:
             with _attributes(_stand_ins(connector, engine, engine_class)):
-                worker = connector.MoRIIOConnectorWorker(*_init_args(connector, vllm_config, name, kv_cache_config))
+                args = _init_args(connector, vllm_config, name, kv_cache_config)
+                worker = connector.MoRIIOConnectorWorker(*args)
                 yield worker
         finally:
             try:

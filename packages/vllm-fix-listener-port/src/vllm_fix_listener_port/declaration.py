@@ -52,7 +52,7 @@ FIX = Fix(
     # from_vllm_config after moriio_connector is imported.
     trigger=CONNECTOR,
     notes=(
-        "Affected and fixed on every vLLM release from 0.24.0 to 0.33.0.",
+        "Affected and fixed on every vLLM release from 0.14.1 to 0.33.0.",
         "local_ping_port is still filled by vLLM's get_open_port() probe: nothing binds, "
         "publishes or reads it (it only appears in the unused metadata_address), so the fix "
         "neither reserves nor rewrites it.",

@@ -32,6 +32,7 @@ from typing import Any
 
 from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger, original_of
 from vllm_fix_core.log import is_probing
+from vllm_fix_read_eligibility.releases import block_layout
 from vllm_fix_read_eligibility.rule import (
     BlockLayout,
     malformed_reason,
@@ -44,7 +45,7 @@ TARGET = "get_num_new_matched_tokens"
 # Normalized-AST fingerprints (vllm_fix_core.ast_fingerprint) of the bodies seen in
 # releases; they name the shape in the log line. The structural checks run for all.
 KNOWN_SHAPES = {
-    "7013444d3022e8f6": "vllm-0.29.0",  # also 0.30.0 (same body)
+    "7013444d3022e8f6": "vllm-0.29.0",  # also 0.14.0 to 0.30.0 (the same body)
     "c4f8bf2a6d61a883": "vllm-0.31.0",
     "c98f56e1ca0f0001": "vllm-0.32.0",
     "0a8992648f2c81ed": "vllm-0.33.0",
@@ -56,18 +57,6 @@ def _mc() -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
 
     return mc
-
-
-def block_layout() -> BlockLayout:
-    """The layout of ``remote_block_ids`` this vLLM's MoRIIO exchanges: per KV cache
-    group for a connector that supports the hybrid KV cache manager (SupportsHMA: its
-    request_finished hands out one block list per group), flat otherwise."""
-    from vllm.distributed.kv_transfer.kv_connector.v1 import base
-
-    hma = getattr(base, "SupportsHMA", None)
-    if isinstance(hma, type) and issubclass(_mc().MoRIIOConnector, hma):
-        return BlockLayout.PER_GROUP
-    return BlockLayout.FLAT
 
 
 def _self_attributes(method: Any) -> set[str]:

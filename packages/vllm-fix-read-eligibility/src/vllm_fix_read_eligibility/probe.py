@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_fix_core import Check, ProbeReport
+from vllm_fix_read_eligibility.releases import block_layout, new_request, route_fields, router_request_id
 from vllm_fix_read_eligibility.rule import BlockLayout
 
 PROMPT = 32
@@ -26,20 +27,30 @@ PLAIN: dict[str, dict[str, Any] | None] = {
     "flag-false": {"do_remote_prefill": False},
 }
 ENGINE = {"remote_engine_id": "probe-prefill"}
-# Where the READ goes (MoRIIO's sidecar fallback: the probe's request id embeds no address).
-ROUTE = {
-    "transfer_id": "probe-tx",
-    "remote_host": "127.0.0.1",
-    "remote_handshake_port": 6301,
-    "remote_notify_port": 61005,
-}
+# Where the READ goes: in the params, with the fields this vLLM's proxy sends
+# (releases.route_fields), and in the request id the router builds (what 0.20.0 to 0.23.x
+# route by). The "no-route" row has neither.
+ADDRESS = ("127.0.0.1", 6301, 61005)
+ROUTED_ID = router_request_id(*ADDRESS)
+PLAIN_ID = "vllm-fix-probe"
+
+
+def row_id(row: str) -> str:
+    """The request id a malformed row is asked with: the router's, except for "no-route"."""
+    return PLAIN_ID if row == "no-route" else ROUTED_ID
+
+
+def route() -> dict[str, Any]:
+    return {"transfer_id": "probe-tx", **route_fields(*ADDRESS)}
+
+
 BLOCK = 16  # the probe engine's block size: a 32-token prompt fills 2 blocks
 
 
 def well_formed(layout: BlockLayout) -> dict[str, Any]:
     """A remote prefill this vLLM can READ: its block ids in the layout it exchanges."""
     blocks: list[Any] = [[5, 6]] if layout is BlockLayout.PER_GROUP else [5, 6]
-    return {"do_remote_prefill": True, "remote_block_ids": blocks, **ENGINE, **ROUTE}
+    return {"do_remote_prefill": True, "remote_block_ids": blocks, **ENGINE, **route()}
 
 
 def malformed(layout: BlockLayout) -> dict[str, dict[str, Any]]:
@@ -50,10 +61,11 @@ def malformed(layout: BlockLayout) -> dict[str, dict[str, Any]]:
     def ids(*group: Any) -> list[Any]:
         return [list(group)] if layout is BlockLayout.PER_GROUP else list(group)
 
-    no_route = {k: v for k, v in good.items() if k not in ROUTE or k == "transfer_id"}
+    routing = route()
+    no_route = {k: v for k, v in good.items() if k not in routing or k == "transfer_id"}
     rows: dict[str, dict[str, Any]] = {
         "flag-only": {"do_remote_prefill": True},
-        "no-block-ids": {"do_remote_prefill": True, **ENGINE, **ROUTE},
+        "no-block-ids": {"do_remote_prefill": True, **ENGINE, **routing},
         "empty-block-ids": {**good, "remote_block_ids": []},
         "empty-groups": {**good, "remote_block_ids": [[]]},
         "string-block-ids": {**good, "remote_block_ids": "0,1"},
@@ -92,32 +104,26 @@ def consumer() -> Any:
     return sched
 
 
-def request(params: dict[str, Any] | None, rid: str = "vllm-fix-probe", num_tokens: int = PROMPT) -> Any:
+def request(params: dict[str, Any] | None, rid: str = PLAIN_ID, num_tokens: int = PROMPT) -> Any:
     """A real vLLM request with `num_tokens` prompt tokens and a copy of `params`."""
     from vllm import SamplingParams
-    from vllm.v1.request import Request
 
     extra = {"kv_transfer_params": None if params is None else dict(params)}
-    return Request(
-        request_id=rid,
-        prompt_token_ids=list(range(num_tokens)),
-        sampling_params=SamplingParams(max_tokens=1, extra_args=extra),
-        pooling_params=None,
-    )
+    return new_request(rid, list(range(num_tokens)), SamplingParams(max_tokens=1, extra_args=extra))
 
 
-def matched(sched: Any, params: dict[str, Any] | None, num_computed_tokens: int = 0) -> tuple[int, bool]:
-    claimed = sched.get_num_new_matched_tokens(request(params), num_computed_tokens)
+def matched(
+    sched: Any, params: dict[str, Any] | None, num_computed_tokens: int = 0, rid: str = ROUTED_ID
+) -> tuple[int, bool]:
+    claimed = sched.get_num_new_matched_tokens(request(params, rid), num_computed_tokens)
     return int(claimed[0]), bool(claimed[1])
 
 
 def probe() -> ProbeReport:
-    from vllm_fix_read_eligibility.patch import block_layout
-
     sched = consumer()
     plain = {name: matched(sched, p) for name, p in PLAIN.items()}
     layout = block_layout()
-    bad = {name: matched(sched, p) for name, p in malformed(layout).items()}
+    bad = {name: matched(sched, p, rid=row_id(name)) for name, p in malformed(layout).items()}
     good = matched(sched, well_formed(layout))
     wrong_plain = {k: v for k, v in plain.items() if v != (0, False)}
     wrong_bad = {k: v for k, v in bad.items() if v != (0, False)}
