@@ -361,6 +361,9 @@ for _target in TARGETS:
 
 # ------------------------------------------------------------------ the release matrix
 MATRIX_RESULTS = ROOT / "docs" / "support-matrix"
+# Releases real forks are built from, old enough to differ in shape: their matrix cells also run
+# the fork workflow on a tree of the release's own sources.
+FORK_RELEASES = ("0.17.1", "0.20.2")
 
 
 def _matrix(release: str) -> None:
@@ -397,10 +400,30 @@ def _matrix(release: str) -> None:
             *session.posargs,
             external=True,
         )
+        if release in FORK_RELEASES:
+            # A fork built from this release: status --source on its tree, before and after it
+            # carries a fix natively (integration/test_fork_workflow.py, on this release's vLLM).
+            REPORTS.mkdir(parents=True, exist_ok=True)
+            session.run(
+                "python",
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={REPORTS / f'{session.name}-fork.xml'}",
+                "--rootdir",
+                str(ROOT),
+                "-c",
+                str(ROOT / "pyproject.toml"),
+                str(ROOT / "integration" / "test_fork_workflow.py"),
+                env=_env(release),
+            )
 
     session_fn.__doc__ = (
         f"vllm-fixes verify --json on vLLM {release}, compared with docs/support-matrix/; then every "
         "patched target undone alone must fail verification"
+        + ("; then the fork workflow on a tree of this release" if release in FORK_RELEASES else "")
     )
     tags = ["matrix", "ci", "lane-a", f"vllm-{release}"]
     nox.session(name=f"matrix-{release}", python=PYTHON, tags=tags)(session_fn)

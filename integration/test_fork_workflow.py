@@ -22,24 +22,72 @@ import pytest
 MODULE = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
 CARRIED = "read-eligibility"
 # The read-eligibility README's native carry, as a fork maintainer writes it into
-# MoRIIOConnectorScheduler.get_num_new_matched_tokens: a READ consumer claims remote tokens only
-# for a well-formed remote prefill (do_remote_prefill set, remote_block_ids a non-empty list of
-# non-empty per-group block lists, remote_engine_id a non-empty string).
+# MoRIIOConnectorScheduler.get_num_new_matched_tokens (written from the README's rule table, not
+# from the fix's code): a READ consumer claims remote tokens only for a remote prefill whose
+# parameters can be honoured (the flag exactly True, an engine id, one list of enough distinct
+# int64 block ids per KV cache group, well-typed routing fields and an address MoRIIO's own
+# add_new_req resolves); otherwise it computes the prompt locally and says why. This tree's engine
+# has full-attention groups only (a hybrid engine's state groups need one block each).
 NATIVE_CARRY = """
 params = request.kv_transfer_params
 if not self.is_producer and self.mode == MoRIIOMode.READ:
-    blocks = params.get("remote_block_ids") if isinstance(params, dict) else None
-    engine = params.get("remote_engine_id") if isinstance(params, dict) else None
-    if not (
-        isinstance(params, dict)
-        and params.get("do_remote_prefill")
-        and isinstance(blocks, (list, tuple))
-        and blocks
-        and all(isinstance(group, (list, tuple)) and group for group in blocks)
-        and all(isinstance(b, int) and not isinstance(b, bool) for group in blocks for b in group)
-        and isinstance(engine, str)
-        and engine
-    ):
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return 0, False
+
+    def _unreadable_field():
+        def in_range(value, low, high):
+            return type(value) is int and low <= value <= high
+
+        def is_port(value):
+            if isinstance(value, str) and value.isdecimal():
+                value = int(value)
+            return in_range(value, 1, 65535)
+
+        if params.get("do_remote_prefill") is not True:
+            return "do_remote_prefill"
+        engine = params.get("remote_engine_id")
+        if not isinstance(engine, str) or not engine:
+            return "remote_engine_id"
+        blocks = params.get("remote_block_ids")
+        if not isinstance(blocks, list) or not blocks:
+            return "remote_block_ids"
+        per_group = all(isinstance(group, list) for group in blocks)
+        groups = blocks if per_group else [blocks]
+        config = getattr(self, "kv_cache_config", None)
+        if per_group and config is not None and len(groups) != len(config.kv_cache_groups):
+            return "remote_block_ids (one list per KV cache group)"
+        prompt = len(request.prompt_token_ids)
+        needed = math.ceil((prompt - 1) / self.block_size) if prompt - 1 - num_computed_tokens > 0 else 1
+        for group in groups:
+            if not all(in_range(b, 0, 2**63 - 1) for b in group):
+                return "remote_block_ids (ids)"
+            real = [b for b in group if b != 0]
+            if len(set(real)) != len(real):
+                return "remote_block_ids (duplicate ids)"
+            if len(group) < needed:
+                return "remote_block_ids (too few blocks)"
+        host = params.get("remote_host", "-")
+        if not isinstance(host, str) or not host:
+            return "remote_host"
+        for key in ("remote_handshake_port", "remote_notify_port"):
+            if key in params and not is_port(params[key]):
+                return key
+        try:
+            MoRIIOConnectorMetadata().add_new_req(
+                request_id=request.request_id, local_block_ids=[], kv_transfer_params=dict(params)
+            )
+        except Exception:
+            return "the READ's address"
+        return None
+
+    field = _unreadable_field()
+    if field is not None:
+        logger.warning(
+            "Request %s: kv_transfer_params cannot be honoured (%s); computing it locally",
+            request.request_id,
+            field,
+        )
+        params["do_remote_prefill"] = False
         return 0, False
 """
 
