@@ -128,3 +128,29 @@ def test_step_done_gives_each_output_its_own_event_once(ops: list[tuple[bool, in
             assert got is None or got is attached.pop(i)
             assert table.take(outputs[i]) is None
         assert len(table) <= capacity
+
+
+def _active(*, speculative: bool, pipeline: Any = 1, parallel: bool = True) -> Any:
+    config = SimpleNamespace(speculative_config=object() if speculative else None)
+    if parallel:
+        config.parallel_config = SimpleNamespace(pipeline_parallel_size=pipeline)
+    return SimpleNamespace(vllm_config=config)
+
+
+@pytest.mark.parametrize(
+    ("active", "expected"),
+    [
+        (_active(speculative=True), True),
+        (_active(speculative=True, parallel=False), True),  # no parallel config: one stage
+        (_active(speculative=False), False),  # no draft forward follows: nothing to wait for
+        (_active(speculative=True, pipeline=2), False),  # a non-last stage sends its output on
+        (_active(speculative=True, pipeline=None), False),  # unknown: keep vLLM's order
+        (SimpleNamespace(), False),
+    ],
+)
+def test_defers_collection_only_for_a_single_stage_speculative_runner(active: Any, expected: bool) -> None:
+    """0.15 - 0.21 (execute_model collects the KV output): the collection waits for the drafter
+    only with speculative decoding and one pipeline stage."""
+    from vllm_fix_spec_kv_readiness.readiness import defers_collection
+
+    assert defers_collection(active) is expected

@@ -137,13 +137,20 @@ def _targets() -> dict[str, Any]:
 
 
 def test_apply_twice_is_a_no_op_and_revert_is_exact() -> None:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
     from vllm_fix_core import PatchSet, runtime
     from vllm_fix_spec_kv_readiness.patch import apply, recognize
     from vllm_fix_testing import STRICT
 
-    before = _targets()
+    # sample_tokens is patched only where execute_model collects the KV output (0.15 - 0.21).
+    declared = _targets()
+    sample_tokens = declared.pop("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens")
+    before = declared
     assert len(before) == (3 if V033 else 2)  # finalize_step only exists from 0.33.0
     first = runtime.apply(FIX, STRICT)
+    assert layers_of(GPUModelRunner, "sample_tokens") == []
+    assert static_lookup(GPUModelRunner, "sample_tokens") is sample_tokens[2]
     installed = {path: static_lookup(owner, attr) for path, (owner, attr, _) in before.items()}
     assert runtime.apply(FIX, STRICT) is first
     for path, (owner, attr, raw) in before.items():

@@ -4,6 +4,7 @@ from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
 
 KV_CONNECTOR = "vllm.v1.worker.gpu.kv_connector"
 ASYNC_UTILS = "vllm.v1.worker.gpu.async_utils"
+MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
 
 FIX = Fix(
     id="spec-kv-readiness",
@@ -17,16 +18,19 @@ FIX = Fix(
         "speculative decoding). A prefill instance whose connector lets the decode instance READ "
         "its blocks (MoRIIO READ, NIXL pull) then publishes blocks whose draft-layer KV is not "
         "written yet: the decode side drafts from stale KV and the acceptance rate drops "
-        "silently. In vLLM 0.33.0 the step's KV connector output is also collected before the "
-        "draft forward and before wait_for_save, so completions caused by draft-layer saves or "
-        "by wait_for_save are reported a step late, in a different order than without "
-        "speculative decoding."
+        "silently. In vLLM 0.15-0.21 (execute_model) and 0.33.0 (a deferred post_forward) the "
+        "step's KV connector output is also collected before the draft forward, so completions "
+        "caused by draft-layer saves (or, on 0.33.0, by wait_for_save) are reported a step late, "
+        "in a different order than without speculative decoding."
     ),
     how=(
         "0.33.0: the deferred ActiveKVConnector.post_forward starts pending async loads and "
         "returns an empty output object; finalize_step runs vLLM's own non-deferred post_forward "
         "(wait_for_save, one get_transfer_results drain, clear metadata: a non-speculative "
-        "step's order) and fills that object in. All releases: for connectors that publish "
+        "step's order) and fills that object in. 0.15-0.21: execute_model's post_forward "
+        "returns an empty output object on a speculative step, and vLLM's own post_forward runs "
+        "with the same arguments once GPUModelRunner.sample_tokens has run the drafter, filling "
+        "it in. All releases: for connectors that publish "
         "blocks for a remote READ (an explicit requires_full_step_completion attribute, a "
         "MultiConnector child that does, a NIXL pull or MoRIIO READ producer), a CUDA event is "
         "recorded after the step's last draft kernel and AsyncOutput.get_output waits on it; "
@@ -41,15 +45,19 @@ FIX = Fix(
         Target(KV_CONNECTOR, "ActiveKVConnector.post_forward", ProcessKind.WORKER),
         Target(KV_CONNECTOR, "ActiveKVConnector.finalize_step", ProcessKind.WORKER, optional=True),
         Target(ASYNC_UTILS, "AsyncOutput.get_output", ProcessKind.WORKER),
+        # Patched only where execute_model collects the KV connector output (0.15 - 0.21).
+        Target(MODEL_RUNNER, "GPUModelRunner.sample_tokens", ProcessKind.WORKER, optional=True),
     ),
     # sample_tokens is what the probe runs; the model runner imports both target modules.
-    trigger="vllm.v1.worker.gpu.model_runner",
+    trigger=MODEL_RUNNER,
     probe="vllm_fix_spec_kv_readiness.probe:probe",
     recognize="vllm_fix_spec_kv_readiness.patch:recognize",
     apply="vllm_fix_spec_kv_readiness.patch:apply",
     notes=(
-        "Covers the MRV2 runner (vllm/v1/worker/gpu). The V1 runner's early snapshot "
-        "(KVConnectorModelRunnerMixin with defer_finalize) is not patched by this package.",
+        "Covers the MRV2 runner (vllm/v1/worker/gpu), 0.15 onwards (0.14's MRV2 runner has no "
+        "KV connector). The V1 runner's early snapshot (KVConnectorModelRunnerMixin: "
+        "collected when the target forward's context closes, before the draft) is on every "
+        "release 0.14-0.33 and is not patched by this package.",
         "On a GPU the readiness half is checked with real CUDA events by an optional test that "
         "has not been run yet; on CPU the probe and tests check the order of submission.",
     ),

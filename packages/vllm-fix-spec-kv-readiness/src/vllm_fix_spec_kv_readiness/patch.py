@@ -9,8 +9,15 @@ Two shapes of MRV2 ``sample_tokens`` exist:
   ``ModelRunnerOutput``; ``finalize_step`` then runs vLLM's own non-deferred ``post_forward``
   (``wait_for_save``, one drain, clear metadata: exactly a non-speculative step's order) and
   fills that object in.
-* ``post-forward-after-draft`` (0.24.0 - 0.32.0): ``post_forward`` already runs after the draft;
+* ``post-forward-after-draft`` (0.22 - 0.32.0): ``post_forward`` already runs after the draft;
   only readiness is missing.
+* ``collected-in-execute-model`` (0.15 - 0.21 and forks built from them): ``execute_model``
+  ends with ``post_forward(scheduler_output)`` (``wait_for_save``, the drain, clear metadata)
+  before ``sample_tokens`` runs the drafter. Patched, with speculative decoding on (and no
+  pipeline parallelism), that call returns an empty output object that execute_model stores in
+  its state; when ``GPUModelRunner.sample_tokens`` returns (the draft submitted), vLLM's own
+  ``post_forward`` runs with the same arguments and fills that object in: the order of the
+  0.22+ runners.
 
 Readiness (both shapes): for connectors that publish blocks for a remote READ, a device event
 is recorded after the step's last draft kernel and ``AsyncOutput.get_output`` waits on it.
@@ -24,10 +31,17 @@ import weakref
 from typing import Any
 
 from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger, original_of
-from vllm_fix_spec_kv_readiness.readiness import STEP_DONE, copy_into, needs_step_done, record_step_done
+from vllm_fix_spec_kv_readiness.readiness import (
+    STEP_DONE,
+    copy_into,
+    defers_collection,
+    needs_step_done,
+    record_step_done,
+)
 
 DEFERRED = "deferred-finalize"
 AFTER_DRAFT = "post-forward-after-draft"
+IN_EXECUTE = "collected-in-execute-model"
 
 # Normalized-AST fingerprints (vllm_fix_core.ast_fingerprint) of ActiveKVConnector.post_forward.
 KNOWN_SHAPES = {
@@ -75,10 +89,9 @@ def recognize() -> str:
     if "get_output" not in au.AsyncOutput.__dict__:
         raise UnknownShape("AsyncOutput.get_output is not defined on the class")
     params = list(inspect.signature(post).parameters)
-    if params[:2] != ["self", "finished_req_ids"]:
-        raise UnknownShape(f"unexpected signature post_forward{tuple(params)}")
-    order = call_order(mr.GPUModelRunner.sample_tokens)
-    propose = _index(order, "propose")
+    order = call_order(original_of(mr.GPUModelRunner, "sample_tokens"))
+    drafts = [i for i in (_index(order, "propose"), _index(order, "propose_draft")) if i >= 0]
+    propose = min(drafts) if drafts else -1
     output = _index(order, "AsyncOutput")
     if propose < 0 or output < 0 or output > propose:
         raise UnknownShape("sample_tokens no longer builds AsyncOutput before the drafter's propose()")
@@ -86,7 +99,17 @@ def recognize() -> str:
     for needed in ("wait_for_save", "clear_connector_metadata", "self._disabled"):
         if needed not in source:
             raise UnknownShape(f"post_forward no longer calls/reads {needed}")
-    if "finalize_step" in cls.__dict__:
+    if params[:2] == ["self", "scheduler_output"]:
+        executes = call_order(original_of(mr.GPUModelRunner, "execute_model"))
+        if _index(executes, "post_forward") < 0 or _index(order, "post_forward") >= 0:
+            raise UnknownShape(
+                "post_forward takes the scheduler output but execute_model does not collect the "
+                "KV connector output (or sample_tokens collects it too)"
+            )
+        shape = IN_EXECUTE
+    elif params[:2] != ["self", "finished_req_ids"]:
+        raise UnknownShape(f"unexpected signature post_forward{tuple(params)}")
+    elif "finalize_step" in cls.__dict__:
         deferred = _index(order, "post_forward", keyword="defer_finalize")
         finalize = _index(order, "finalize_step")
         if "defer_finalize" not in params or not 0 <= deferred < propose < finalize:
@@ -103,6 +126,7 @@ def recognize() -> str:
 
 
 # Per ActiveKVConnector: the output handed out by a deferred post_forward, and its finished ids.
+# (0.15 - 0.21: the deferred post_forward call itself, to run once the drafter has run.)
 _PENDING: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
@@ -156,6 +180,65 @@ def _post_forward_after_draft(
     return output
 
 
+def _collect_in_execute(output_cls: Any) -> Any:
+    """post_forward as execute_model calls it (0.15 - 0.21): on a speculative step, hand out an
+    empty output now and keep the call for when sample_tokens has run the drafter."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if instance is None or instance._disabled or not defers_collection(instance):
+            return wrapped(*args, **kwargs)
+        # Only the full call (wait_for_save and clear the metadata): no_forward's is not deferred.
+        if len(args) + len(kwargs) > 1 or not (args or "scheduler_output" in kwargs):
+            return wrapped(*args, **kwargs)
+        placeholder = output_cls()
+        # A deferred call never collected (no sample_tokens followed) is dropped: its results
+        # are still in the connector, and this step's collection reports them.
+        _PENDING[instance] = (placeholder, (wrapped, args, kwargs))
+        return placeholder
+
+    return wrapper
+
+
+def _collect_after_draft(active: Any, result: Any) -> None:
+    pending = _PENDING.pop(active, None)
+    if pending is None:
+        return
+    placeholder, (collect, args, kwargs) = pending
+    fresh = collect(*args, **kwargs)  # vLLM's own post_forward: wait_for_save, drain, clear
+    if fresh is not None:
+        copy_into(placeholder, fresh)
+    if needs_step_done(active):
+        event = record_step_done()
+        if event is None:
+            return
+        if hasattr(result, "get_output"):  # async scheduling: whoever takes the output waits
+            STEP_DONE.attach(placeholder, event)
+        else:  # the output was taken inside sample_tokens: wait before it leaves the worker
+            event.synchronize()
+
+
+def _sample_tokens(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # Called through the class (GPUModelRunner.sample_tokens(runner, ...)), the runner is args[0].
+    runner = instance if instance is not None else (args[0] if args else None)
+    active = getattr(runner, "kv_connector", None)
+    try:
+        listed = active is not None and active in _PENDING
+    except TypeError:  # not weak-referenceable: nothing of it is ever deferred
+        listed = False
+    if not listed:
+        return wrapped(*args, **kwargs)
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException:
+        try:  # still wait for the saves and clear the metadata, as vLLM had before the draft
+            _collect_after_draft(active, None)
+        except Exception:
+            _logger.exception("collecting the KV connector output after a failed sample_tokens")
+        raise
+    _collect_after_draft(active, result)
+    return result
+
+
 def _get_output(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     runner_output = getattr(instance, "model_runner_output", None)
@@ -166,9 +249,14 @@ def _get_output(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict
 
 
 def apply(patch: PatchSet, shape: str) -> None:
-    kvc, au, _ = _modules()
+    kvc, au, model_runner = _modules()
     cls = kvc.ActiveKVConnector
-    if shape.startswith(DEFERRED):
+    if shape.startswith(IN_EXECUTE):
+        from vllm.v1.outputs import KVConnectorOutput
+
+        patch.wrap(cls, "post_forward", _collect_in_execute(KVConnectorOutput))
+        patch.wrap(model_runner.GPUModelRunner, "sample_tokens", _sample_tokens)
+    elif shape.startswith(DEFERRED):
         from vllm.v1.outputs import KVConnectorOutput
 
         starts_loads = "_pending_load_kwargs" in inspect.getsource(original_of(cls, "post_forward"))

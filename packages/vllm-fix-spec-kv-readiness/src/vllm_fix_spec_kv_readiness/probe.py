@@ -2,8 +2,13 @@
 
 Runs the real, currently installed ``GPUModelRunner.sample_tokens`` for one step, with the
 real ``ActiveKVConnector`` (``post_forward`` / ``finalize_step`` as installed) and the real
-``AsyncOutput.get_output`` (as installed). Only what a CPU process lacks is stood in for, and
-only for the duration of the probe, in this thread:
+``AsyncOutput.get_output`` (as installed). Where the installed ``execute_model`` collects the
+KV connector output itself (0.15 - 0.21), the probe makes that ``post_forward`` call as
+``execute_model`` does, after the target forward's saves and before ``sample_tokens``. What
+differs between releases (the form of the state ``execute_model`` leaves, where the output is
+collected, ``post_forward``'s arguments) is read from the installed code in ``releases.py``.
+Only what a CPU process lacks is stood in for, and only for the duration of the probe, in
+this thread:
 
 * the runner's ``self``: the attributes ``sample_tokens`` reads (sampled tokens, request
   state, a drafter whose ``propose`` saves a draft layer through the bound connector, which
@@ -15,9 +20,9 @@ only for the duration of the probe, in this thread:
 On CPU the order of submission is the device order (one stream), so "the output waits on an
 event recorded after the draft's last kernel" is checked as an ordering. The checks:
 
-* ``kv-output-misses-step-saves`` (0.33.0): the step's ``KVConnectorOutput`` does not report
-  the saves the target and draft forwards issued and ``wait_for_save`` completed;
-* ``output-visible-before-draft-kv`` (0.24.0-0.33.0): ``get_output()`` waits on nothing
+* ``kv-output-misses-step-saves`` (0.15 - 0.21, 0.33.0): the step's ``KVConnectorOutput`` does
+  not report the saves the target and draft forwards issued and ``wait_for_save`` completed;
+* ``output-visible-before-draft-kv`` (0.15 - 0.33.0): ``get_output()`` waits on nothing
   recorded after the draft's last kernel, for a connector that publishes blocks for READ;
 * guards: the transfer results are drained exactly once per step; a connector that does not
   publish for READ keeps the overlap (no extra wait); a non-speculative step drains once,
@@ -30,11 +35,11 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 from typing import Any
 
 from vllm_fix_core import Check, NotApplicable, ProbeReport
-from vllm_fix_spec_kv_readiness import readiness
+from vllm_fix_spec_kv_readiness import readiness, releases
 
 TARGET_LAYER = "model.layers.0.self_attn.attn"
 DRAFT_LAYER = "draft_model.layers.0.self_attn.attn"
@@ -166,14 +171,17 @@ class Runner:
         return None
 
 
-class StepState(SimpleNamespace):
-    """What execute_model leaves for sample_tokens; fields a release adds that the step does not
-    use (data-parallel sync state, say) read as None."""
+class _Columns:
+    """Request-state columns (``.gpu`` / ``.np``) sample_tokens passes on to code the probe stands
+    in for; whichever columns a release has, each reads as an empty column."""
+
+    def __init__(self, **known: Any) -> None:
+        self.__dict__.update(known)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        return None
+        return SimpleNamespace(gpu=None, np=None)
 
 
 class _Model:
@@ -248,8 +256,9 @@ def active_connector(connector: Connector, speculative: bool) -> Any:
 _PROBE_ACTIVE: dict[type, type] = {}
 
 
-def runner(active: Any, drafter: Drafter | None, num_spec: int = 1) -> Any:
+def runner(active: Any, drafter: Drafter | None, kv_connector_output: Any, num_spec: int = 1) -> Any:
     import torch
+    from vllm.v1.worker.gpu import model_runner
 
     reqs = ["r-target", "r-draft"]
     batch = SimpleNamespace(
@@ -270,27 +279,26 @@ def runner(active: Any, drafter: Drafter | None, num_spec: int = 1) -> Any:
         num_rejected=num_rejected,
     )
     self: Any = Runner()
-    self.execute_model_state = StepState(
-        input_batch=batch,
-        attn_metadata={},
-        slot_mappings_by_layer={},
-        hidden_states=torch.zeros(len(reqs), 4),
-        aux_hidden_states=None,
-        dp_sync_state=None,
-        finished_req_ids=set(),
-        ec_connector_output=None,
-        cudagraph_stats=None,
-        num_spec_tokens_to_schedule=num_spec if drafter else 0,
+    # What execute_model leaves for sample_tokens, in the installed runner's form.
+    self.execute_model_state = releases.step_state(
+        model_runner,
+        {
+            "input_batch": batch,
+            "attn_metadata": {},
+            "slot_mappings_by_layer": {},
+            "hidden_states": torch.zeros(len(reqs), 4),
+            "finished_req_ids": set(),
+            "num_spec_tokens_to_schedule": num_spec if drafter else 0,
+            "kv_connector_output": kv_connector_output,
+        },
     )
     self.is_last_pp_rank = True
+    self.use_async_scheduling = True  # sample_tokens hands out its AsyncOutput
     self.sample = lambda *args, **kwargs: (sampler_output, num_sampled, num_rejected)
     self.prompt_logprobs_worker = _NoPromptLogprobs()
     self.model = _Model()
     gpu = SimpleNamespace(gpu=None, np=None)
-    self.req_states = SimpleNamespace(
-        all_token_ids=gpu,
-        num_computed_tokens=gpu,
-        prompt_len=gpu,
+    self.req_states = _Columns(
         last_sampled_tokens=None,
         next_prefill_tokens=None,
         draft_tokens=torch.zeros(len(reqs), max(num_spec, 1), dtype=torch.int64),
@@ -298,8 +306,12 @@ def runner(active: Any, drafter: Drafter | None, num_spec: int = 1) -> Any:
     self.check_ep_fault = False
     self.kv_connector = active
     self.speculator = drafter
+    self.do_spec_decode = drafter is not None  # 0.15 - 0.16 ask this, then call propose_draft
+    if hasattr(model_runner.GPUModelRunner, "propose_draft"):
+        self.propose_draft = MethodType(model_runner.GPUModelRunner.propose_draft, self)
     self.model_state = SimpleNamespace(supports_mm_inputs=False)
-    self.postprocess_sampled = lambda *args, **kwargs: None
+    # Request-state updates on the device (named postprocess before 0.24).
+    self.postprocess_sampled = self.postprocess = lambda *args, **kwargs: None
     self.sampler = SimpleNamespace(sampling_states=SimpleNamespace(temperature=gpu, seeds=gpu))
     self._draft_workspace_lane = 1
     self.num_speculative_steps = num_spec if drafter else 0
@@ -340,10 +352,18 @@ def run_step(*, speculative: bool, read_publisher: bool) -> Outcome:
     step = Step()
     connector = Connector(step, read_publisher=read_publisher)
     drafter = Drafter(connector, 1) if speculative else None
-    self = runner(active_connector(connector, speculative), drafter)
-    # What execute_model leaves behind: metadata bound, the target forward's saves issued.
+    active = active_connector(connector, speculative)
+    # What execute_model does before sample_tokens: metadata bound, the target forward's saves
+    # issued and, where the installed execute_model collects the KV connector output itself,
+    # its post_forward call (through the class, so whatever is installed runs).
     connector.bind_connector_metadata(object())
     connector.save_kv_layer(TARGET_LAYER, None, {})
+    kv_connector_output = None
+    if releases.collects_in_execute_model(GPUModelRunner):
+        if not releases.post_forward_takes_scheduler_output(type(active)):
+            raise RuntimeError("execute_model calls post_forward, which does not take the scheduler output")
+        kv_connector_output = active.post_forward(SimpleNamespace(finished_req_ids=set()))
+    self = runner(active, drafter, kv_connector_output)
     with _cpu_device(step):
         out = sample_tokens(self, None)
         if out is None or not hasattr(out, "get_output"):

@@ -78,6 +78,20 @@ def _decide(active: Any) -> bool:
     return publishes_for_remote_read(getattr(active, "kv_connector", None))
 
 
+def defers_collection(active: Any) -> bool:
+    """Where execute_model collects the KV output (0.15 - 0.21), may this ActiveKVConnector's
+    collection wait until sample_tokens has run the drafter?
+
+    Only with speculative decoding (a draft forward follows) and without pipeline parallelism
+    (a non-last pipeline stage sends execute_model's output on before sample_tokens runs).
+    """
+    config = getattr(active, "vllm_config", None)
+    if getattr(config, "speculative_config", None) is None:
+        return False
+    size = getattr(getattr(config, "parallel_config", None), "pipeline_parallel_size", 1)
+    return isinstance(size, int) and size <= 1
+
+
 # Event factory for the probe (a CPU process has no device events): set per thread, so a probe
 # never changes what another thread's steps record.
 _local = threading.local()
