@@ -68,15 +68,15 @@ def test_recognizes_the_installed_shape() -> None:
 
 
 def test_refuses_a_pre_forward_that_gets_no_input_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The 0.24-0.31 shape: pre_forward(scheduler_output[, **kwargs]) has no batch to build
-    the step's context from."""
+    """pre_forward(scheduler_output[, **kwargs]) (the 0.15-0.31 signature) while this runner's FULL
+    branch passes it an input batch: neither shape, refused."""
     cls = _active()
 
     def pre_forward(self: Any, scheduler_output: Any, **kwargs: Any) -> None:
         pass
 
     monkeypatch.setattr(cls, "pre_forward", pre_forward)
-    with pytest.raises(UnknownShape, match="carries no input batch"):
+    with pytest.raises(UnknownShape, match="carries no input batch and the FULL branch passes"):
         recognize()
 
 

@@ -23,14 +23,18 @@ FIX = Fix(
         "FULL_AND_PIECEWISE cudagraph mode."
     ),
     how=(
-        "Wrap ActiveKVConnector.pre_forward: when the runner calls it with an input batch and no "
-        "forward context is set (the FULL-replay branch) and the step has synchronous loads, "
-        "run it under override_forward_context(create_forward_context(...)) built from the "
-        "step's own attn_metadata, cudagraph_runtime_mode=FULL, a batch descriptor of the padded "
-        "batch, the step's is_padding mask, and DP metadata from the padded token count every "
-        "DP rank already agreed on (no collective). The context is closed before the replay, "
-        "also when the connector raises. PIECEWISE/NONE steps, async loads and no-forward "
-        "steps are delegated untouched."
+        "Wrap ActiveKVConnector.pre_forward: when it is called from the runner's FULL-replay "
+        "branch with no forward context set and it starts loads (the step has synchronous loads "
+        "where vLLM defers async ones), run it under override_forward_context("
+        "create_forward_context(...)) built from the step's own attn_metadata, "
+        "cudagraph_runtime_mode=FULL, a batch descriptor of the padded batch, the step's "
+        "is_padding mask (where the context has one), and DP metadata from the padded token "
+        "count every DP rank already agreed on (no collective). vLLM 0.32 on hand pre_forward "
+        "the input batch; on 0.15-0.31 the step's input batch and attn_metadata are read (never "
+        "written) from the runner's execute_model frame executing that FULL-branch call, under "
+        "the names the runner's other branch passes to set_forward_context (shapes.py). The "
+        "context is closed before the replay, also when the connector raises. PIECEWISE/NONE "
+        "steps, async loads and no-forward steps are delegated untouched."
     ),
     retire_when=(
         "vLLM's GPUModelRunner.execute_model opens a forward context around the FULL branch's "
@@ -45,8 +49,8 @@ FIX = Fix(
     recognize="vllm_fix_sync_load_context.patch:recognize",
     apply="vllm_fix_sync_load_context.patch:apply",
     notes=(
-        "slot_mapping and ubatch_slices of the step are not reachable from pre_forward and are "
-        "left empty; no in-tree connector reads them in start_load_kv.",
+        "slot_mapping and ubatch_slices of the step are left empty; no in-tree connector reads "
+        "them in start_load_kv.",
         "Connectors still have to finish their loads in start_load_kv when they see FULL "
         "(per-layer waits cannot run inside a replay); the fix makes sure they are told.",
     ),

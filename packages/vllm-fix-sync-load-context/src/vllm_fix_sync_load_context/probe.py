@@ -10,6 +10,7 @@ replay that records what it saw. Everything between those calls is vLLM's own co
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -31,17 +32,10 @@ class Seen:
     context_at_replay: list[bool] = field(default_factory=list)
 
 
-class RecordingLoader:
-    """The connector calls ActiveKVConnector makes, recording the context of each load."""
+class _Recording:
+    """What the recording connector adds to vLLM's own connector base: the context of each load."""
 
-    def __init__(self, seen: Seen) -> None:
-        self.seen = seen
-
-    def handle_preemptions(self, metadata: Any) -> None:
-        pass
-
-    def bind_connector_metadata(self, metadata: Any) -> None:
-        pass
+    seen: Seen
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.seen.events.append("start_load_kv")
@@ -50,13 +44,38 @@ class RecordingLoader:
                 "mode": forward_context.cudagraph_runtime_mode,
                 "attn_metadata": forward_context.attn_metadata,
                 "batch_descriptor": forward_context.batch_descriptor,
-                # Releases whose forward context has no padding mask (0.24) leave it out.
+                # Releases whose forward context has no padding mask (before 0.28) leave it out.
                 "is_padding": getattr(forward_context, "is_padding", NO_FIELD),
             }
         )
 
-    def finish_forward(self) -> None:
+    def wait_for_save(self) -> None:
         pass
+
+
+@functools.lru_cache(maxsize=1)
+def _loader_class() -> type:
+    """The installed KVConnectorBase_V1 with its abstract methods as no-ops and start_load_kv
+    recording: every other call ActiveKVConnector makes (preemptions, binding, completions,
+    stats, events, worker meta) is vLLM's own default of that release."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    def noop(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return None
+
+    abstract = {name: noop for name in getattr(KVConnectorBase_V1, "__abstractmethods__", ())}
+    own = {k: v for k, v in vars(_Recording).items() if callable(v)}
+    return type("RecordingLoader", (KVConnectorBase_V1,), {**abstract, **own})
+
+
+def RecordingLoader(seen: Seen) -> Any:
+    """A connector recording the context of each load (built without vLLM's __init__, which
+    needs a running engine's config and role)."""
+    cls: Any = _loader_class()
+    loader = cls.__new__(cls)
+    loader.seen = seen
+    loader._connector_metadata = None
+    return loader
 
 
 NO_FIELD = object()
@@ -68,10 +87,24 @@ class _Graphs:
     def __init__(self, mode: Any, seen: Seen, hidden: Any) -> None:
         self.mode, self.seen, self.hidden = mode, seen, hidden
 
+    # The manager's entry points differ per release; the stand-in answers each one the
+    # installed execute_model calls: dispatch (0.18 on), get_cudagraph_runtime_mode (0.17).
     def dispatch(self, num_reqs: int, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
         from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
-        return BatchExecutionDescriptor(cg_mode=self.mode, num_tokens=num_tokens, num_reqs=num_reqs)
+        fields = inspect.signature(BatchExecutionDescriptor).parameters
+        values = {"cg_mode": self.mode, "num_tokens": PADDED_TO, "num_reqs": PADDED_TO}
+        return BatchExecutionDescriptor(**{k: v for k, v in values.items() if k in fields})
+
+    def get_cudagraph_runtime_mode(self, num_reqs: int, num_tokens: int, max_query_len: int) -> Any:
+        return self.mode, PADDED_TO
+
+    # 0.15/0.16: a graph size (FULL graphs only) or None (eager), and run(n) replays it.
+    def get_cudagraph_size(self, *args: Any) -> int | None:
+        return PADDED_TO if self.mode.name == "FULL" else None
+
+    def run(self, num_tokens: int) -> Any:
+        return self._ran("replay")
 
     def _ran(self, event: str) -> Any:
         from vllm.forward_context import is_forward_context_available
@@ -85,6 +118,9 @@ class _Graphs:
 
     def run_pw_graph(self, model: Any, model_inputs: Any) -> Any:
         return self._ran("piecewise")
+
+    def run_model(self, *args: Any, **kwargs: Any) -> Any:
+        return self._ran("piecewise" if self.mode.name == "PIECEWISE" else "eager")
 
 
 class _ModelState:
@@ -112,7 +148,8 @@ class StandInRunner:
         self.cudagraph_manager = graphs
         self.input_batch = input_batch
         self.model_state = _ModelState(attn)
-        self.model = None
+        # Eager steps (and PIECEWISE on releases without run_pw_graph) call the model itself.
+        self.model = graphs.run_model
         self.model_config = vllm_config.model_config
         self.parallel_config = vllm_config.parallel_config
         self.lora_config = None
@@ -126,6 +163,7 @@ class StandInRunner:
         self.pp_handler = None
         self.input_buffers = SimpleNamespace(dcp_local_seq_lens=None)
         self.uses_inputs_embeds = False
+        self.uses_mrope = False  # 0.15/0.16
         self.supports_mm_inputs = False
         self.is_first_pp_rank = True
         self.is_last_pp_rank = True
@@ -199,6 +237,21 @@ def step_batch(num_reqs: int = NUM_REQS, padded_to: int = PADDED_TO) -> Any:
     )
 
 
+def _dispatches_modes() -> bool:
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    manager = getattr(cudagraph_utils, "CudaGraphManager", None)
+    return any(hasattr(manager, name) for name in ("dispatch", "get_cudagraph_runtime_mode"))
+
+
+def _defers_async_loads() -> bool:
+    import dataclasses
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    return "has_sync_kv_loads" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+
+
 def step_output(batch: Any, *, sync: bool = True, metadata: Any = None) -> Any:
     """A real SchedulerOutput scheduling `batch`, with a synchronous KV load when `sync`."""
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -232,6 +285,8 @@ def run_step(mode_name: str, connector: Any, seen: Seen, vllm_config: Any, *, sy
     batch = step_batch()
     attn = {"model.layers.0.self_attn.attn": SimpleNamespace(num_actual_tokens=batch.num_tokens)}
     graphs = _Graphs(getattr(CUDAGraphMode, mode_name), seen, torch.zeros(batch.num_tokens, 4))
+    # 0.15/0.16's runner reads the step's metadata from the batch its prepare_inputs returns.
+    batch.attn_metadata, batch.slot_mappings, batch.inputs_embeds = attn, None, None
     runner = StandInRunner(vllm_config, active_connector(vllm_config, connector), graphs, batch, attn)
     GPUModelRunner.execute_model(runner, step_output(batch, sync=sync))
     return batch, attn
@@ -265,6 +320,11 @@ def probe() -> ProbeReport:
         raise NotApplicable(f"no V2 model runner: {exc}") from exc
     if not hasattr(GPUModelRunner, "execute_model"):
         raise NotApplicable("the V2 model runner has no execute_model")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.worker.gpu.kv_connector") is None:
+        # vLLM 0.14: the V2 runner has no KV connector at all, so no load starts anywhere.
+        raise NotApplicable("the V2 model runner has no KV connector (vllm.v1.worker.gpu.kv_connector)")
     config = probe_config()
 
     full = Seen()
@@ -285,13 +345,20 @@ def probe() -> ProbeReport:
             wrong.append("is_padding is not the step's")
     ordered = full.events[:2] == ["start_load_kv", "replay"]
 
+    # The other branch: PIECEWISE where the runner dispatches modes (0.17 on), else (0.15/0.16,
+    # FULL graphs only) eager, told NONE.
+    other = "PIECEWISE" if _dispatches_modes() else "NONE"
     pw = Seen()
-    _, pw_attn = run_step("PIECEWISE", RecordingLoader(pw), pw, config)
+    _, pw_attn = run_step(other, RecordingLoader(pw), pw, config)
     pw_load = pw.loads[0] if pw.loads else {}
-    pw_ok = pw_load.get("mode") == CUDAGraphMode.PIECEWISE and pw_load.get("attn_metadata") is pw_attn
+    pw_ok = pw_load.get("mode") == getattr(CUDAGraphMode, other) and pw_load.get("attn_metadata") is pw_attn
 
+    # Releases before 0.29 start every load in pre_forward (SchedulerOutput has no
+    # has_sync_kv_loads): there is no async load to keep after the forward there.
     async_seen = Seen()
-    run_step("FULL", RecordingLoader(async_seen), async_seen, config, sync=False)
+    defers_async = _defers_async_loads()
+    if defers_async:
+        run_step("FULL", RecordingLoader(async_seen), async_seen, config, sync=False)
 
     return ProbeReport(
         (
@@ -312,7 +379,9 @@ def probe() -> ProbeReport:
             Check(
                 "async-load-not-started-before-replay",
                 "start_load_kv" in async_seen.events,
-                f"events={async_seen.events}",
+                f"events={async_seen.events}"
+                if defers_async
+                else "this vLLM starts every load before the forward",
                 guard=True,
             ),
         )

@@ -9,6 +9,7 @@ counts are known without asking the other ranks.
 from __future__ import annotations
 
 import functools
+import inspect
 from types import ModuleType
 from typing import Any
 
@@ -29,6 +30,11 @@ def _vllm() -> tuple[ModuleType, ...]:
 
         _modules = (torch, vllm.config, vllm.forward_context, vllm.platforms)
     return _modules
+
+
+@functools.lru_cache(maxsize=8)
+def _takes_padding(create_forward_context: Any) -> bool:
+    return "is_padding" in inspect.signature(create_forward_context).parameters
 
 
 @functools.lru_cache(maxsize=1024)
@@ -67,6 +73,12 @@ def full_step_context(vllm_config: Any, attn_metadata: Any, input_batch: Any) ->
         batch_descriptor=batch_descriptor,
         ubatch_slices=None,
     )
+    # Releases before 0.28 have no padding mask in the forward context.
+    padding = (
+        {"is_padding": getattr(input_batch, "is_padding", None)}
+        if _takes_padding(fc.create_forward_context)
+        else {}
+    )
     return fc.create_forward_context(
         attn_metadata,
         vllm_config,
@@ -74,5 +86,5 @@ def full_step_context(vllm_config: Any, attn_metadata: Any, input_batch: Any) ->
         cudagraph_runtime_mode=mode,
         batch_descriptor=batch_descriptor,
         additional_kwargs=additional,
-        is_padding=getattr(input_batch, "is_padding", None),
+        **padding,
     )
