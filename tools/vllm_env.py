@@ -27,8 +27,19 @@ REQ = HERE / "requirements"
 # Targets every package is tested on; a package's pyproject may add more
 # ([tool.vllm-fixes] test-targets), and the release matrix covers every release.
 TARGETS = ("0.32.0", "0.33.0")
-# The newest patch of every vLLM minor release from 0.24 on: `vllm-fixes verify` runs on each.
+# The newest patch of every vLLM minor release with MoRIIO (0.14 on): `vllm-fixes verify` runs
+# on each.
 RELEASES = (
+    "0.14.1",
+    "0.15.1",
+    "0.16.0",
+    "0.17.1",
+    "0.18.1",
+    "0.19.1",
+    "0.20.2",
+    "0.21.0",
+    "0.22.1",
+    "0.23.0",
     "0.24.0",
     "0.25.1",
     "0.26.0",
