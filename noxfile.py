@@ -237,9 +237,8 @@ def _stress(target: str, size: str) -> None:
             "(FIXES_STRESS=focused)"
         )
         # CI's lanes: lane b holds every per-package session, the longer half of the work; the
-        # last target's focused stress run goes to lane a to even them out.
-        lane = "lane-a" if target == TARGETS[-1] else "lane-b"
-        name, tags = f"stress-focused-{target}", ["stress-focused", "ci", lane, f"vllm-{target}"]
+        # focused stress runs go to lane a to even them out.
+        name, tags = f"stress-focused-{target}", ["stress-focused", "ci", "lane-a", f"vllm-{target}"]
     nox.session(name=name, python=PYTHON, tags=tags)(session_fn)
 
 
