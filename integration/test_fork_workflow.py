@@ -126,9 +126,10 @@ def apply_native_carry(text: str) -> str:
     return "".join(lines)
 
 
-def status(tree: Path) -> dict[str, Any]:
+def status(tree: Path, command: str = "status", *fix: str) -> dict[str, Any]:
+    only = [arg for fix_id in fix for arg in ("--fix", fix_id)]
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_fix_core.cli", "status", "--json", "--source", str(tree)],
+        [sys.executable, "-m", "vllm_fix_core.cli", command, "--json", "--source", str(tree), *only],
         capture_output=True,
         text=True,
         timeout=900,
@@ -165,3 +166,12 @@ def test_the_tree_needs_the_fix_until_it_carries_it_natively(
     others = set(before) - {CARRIED}
     assert others and {k: after[k]["answer"] for k in others} == {k: before[k]["answer"] for k in others}
     assert any(before[k]["answer"].startswith("needs it") for k in others)
+
+
+def test_verify_applies_the_runtime_fix_to_the_tree_until_it_carries_it(tmp_path: Path) -> None:
+    plain = status(fork_tree(tmp_path, carry=False), "verify", CARRIED)
+    carried = status(fork_tree(tmp_path, carry=True), "verify", CARRIED)
+    assert [f["answer"] for f in plain["fixes"]] == [
+        "needs it (the tree has the bug; the runtime fix applies and verifies)"
+    ], plain
+    assert [f["answer"] for f in carried["fixes"]] == ["carries it already"], carried
