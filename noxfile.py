@@ -122,6 +122,7 @@ def _pytest(
     part: str = "",
     codes: tuple[int, ...] = (0,),
     extra_env: dict[str, str] | None = None,
+    posargs: bool = True,
 ) -> None:
     REPORTS.mkdir(parents=True, exist_ok=True)
     report = REPORTS / f"{session.name}{'-' + part if part else ''}.xml"
@@ -139,7 +140,7 @@ def _pytest(
         str(ROOT / "pyproject.toml"),
         *extra,
         *paths,
-        *session.posargs,
+        *(session.posargs if posargs else ()),
         env={**_env(target), **(extra_env or {})},
         success_codes=list(codes),
     )
@@ -403,22 +404,9 @@ def _matrix(release: str) -> None:
         if release in FORK_RELEASES:
             # A fork built from this release: status --source on its tree, before and after it
             # carries a fix natively (integration/test_fork_workflow.py, on this release's vLLM).
-            REPORTS.mkdir(parents=True, exist_ok=True)
-            session.run(
-                "python",
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                f"--junitxml={REPORTS / f'{session.name}-fork.xml'}",
-                "--rootdir",
-                str(ROOT),
-                "-c",
-                str(ROOT / "pyproject.toml"),
-                str(ROOT / "integration" / "test_fork_workflow.py"),
-                env=_env(release),
-            )
+            # (The session's arguments are record's, --write: not pytest's.)
+            fork = [str(ROOT / "integration" / "test_fork_workflow.py")]
+            _pytest(session, release, fork, part="fork", posargs=False)
 
     session_fn.__doc__ = (
         f"vllm-fixes verify --json on vLLM {release}, compared with docs/support-matrix/; then every "
