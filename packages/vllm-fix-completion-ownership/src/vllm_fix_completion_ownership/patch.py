@@ -230,14 +230,20 @@ def _aggregate_request_finished(self: Any, request: Any, per_connector_fn: Any) 
                 kv_txfer_params.update(txfer_params)
             else:
                 kv_txfer_params = txfer_params
+    _settle_finished(self, request.request_id, async_saves, owners)
+    return async_saves > 0, kv_txfer_params
+
+
+def _settle_finished(self: Any, request_id: str, async_saves: int, owners: int) -> None:
+    """What vLLM does once a request's children have answered (extra async saves, the loader
+    forgotten), plus the owner set on the ledger."""
     if async_saves > 1:
-        self._extra_async_saves[request.request_id] = async_saves - 1
-    self._requests_to_connector.pop(request.request_id, None)
+        self._extra_async_saves[request_id] = async_saves - 1
+    self._requests_to_connector.pop(request_id, None)
     ledger = self.__dict__.get(LEDGER_ATTR)
     if ledger is None:
         ledger = ledger_of(self)
-    ledger.record_finished(request.request_id, owners)
-    return async_saves > 0, kv_txfer_params
+    ledger.record_finished(request_id, owners)
 
 
 def _request_finished_counting(self: Any, request: Any, blocks: list[int]) -> Any:
@@ -257,13 +263,7 @@ def _request_finished_counting(self: Any, request: Any, blocks: list[int]) -> An
             if kv_txfer_params is not None:
                 raise RuntimeError("Only one connector can produce KV transfer params")  # as vLLM
             kv_txfer_params = txfer_params
-    if async_saves > 1:
-        self._extra_async_saves[request.request_id] = async_saves - 1
-    self._requests_to_connector.pop(request.request_id, None)
-    ledger = self.__dict__.get(LEDGER_ATTR)
-    if ledger is None:
-        ledger = ledger_of(self)
-    ledger.record_finished(request.request_id, owners)
+    _settle_finished(self, request.request_id, async_saves, owners)
     return async_saves > 0, kv_txfer_params
 
 
