@@ -22,7 +22,7 @@ from vllm_fix_core import PatchSet, Rung, Settings, evaluate, layers_of
 from vllm_fix_core.declaration import static_lookup
 from vllm_fix_spec_kv_readiness import FIX, patch, readiness
 from vllm_fix_spec_kv_readiness.readiness import StepDone
-from vllm_fix_testing import assert_every_target_observed, vllm_version
+from vllm_fix_testing import assert_every_target_observed, assert_verification_fails, vllm_version
 from vllm_fix_testing.hostile import patched_targets
 from vllm_fix_testing.spec_runner import (
     DRAFT_LAYER,
@@ -108,13 +108,7 @@ def test_a_broken_rule_fails_verification(monkeypatch: pytest.MonkeyPatch, case:
         pytest.skip("copy_into is used by the deferred-finalize shape only (vLLM 0.33.0)")
     before = _target_objects()
     monkeypatch.setattr(patch, name, broken)
-    decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
-    try:
-        assert decision.rung is Rung.FAILED, decision.message
-        assert check in decision.reason, decision.reason
-    finally:
-        if decision.patch is not None:
-            decision.patch.revert()
+    assert_verification_fails(FIX, {check})
     for owner, attr, raw in before.values():
         assert static_lookup(owner, attr) is raw and layers_of(owner, attr) == []
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from vllm_fix_core import Rung, Settings, UnknownShape, evaluate, layers_of, original_of
 from vllm_fix_core.declaration import static_lookup
 from vllm_fix_sync_load_context import FIX, patch
-from vllm_fix_testing import STRICT, assert_every_target_observed
+from vllm_fix_testing import STRICT, assert_every_target_observed, assert_verification_fails
 from vllm_fix_testing.hostile import patched_targets
 from vllm_fix_testing.runner import (
     LAYER,
@@ -118,13 +118,7 @@ def test_a_broken_rule_fails_verification(monkeypatch: pytest.MonkeyPatch, broke
     cls = _active_cls()
     original = static_lookup(cls, "pre_forward")
     monkeypatch.setattr(patch, "full_step_context", broken(patch.full_step_context))
-    decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
-    try:
-        assert decision.rung is Rung.FAILED, decision.message
-        assert "full-replay-sync-load-outside-step-context" in decision.reason
-    finally:
-        if decision.patch is not None:
-            decision.patch.revert()
+    assert_verification_fails(FIX, {"full-replay-sync-load-outside-step-context"})
     assert static_lookup(cls, "pre_forward") is original and layers_of(cls, "pre_forward") == []
 
 

@@ -149,7 +149,8 @@ def assert_hostile_wrapper_fails(fix: Fix) -> Decision:
 
 def assert_verification_fails(fix: Fix, symptoms: Collection[str] = ()) -> Decision:
     """The real ladder on `fix` (a rule of its patch broken by the caller, say) must answer
-    "failed to fix", with `symptoms` among what the probe still saw, and leave every declared
+    "failed to fix", with `symptoms` among what the probe still saw (symptoms it shows or guards
+    it finds broken), and leave every declared
     target exactly as it was."""
     before = target_objects(fix)
     decision = evaluate(fix, Settings(disabled=frozenset(), strict=False), apply=True, honour_disable=False)
@@ -159,7 +160,8 @@ def assert_verification_fails(fix: Fix, symptoms: Collection[str] = ()) -> Decis
         f"{fix.id}: the ladder said {decision.rung.value!r} ({decision.reason})"
     )
     assert decision.after is not None, decision.reason
-    assert set(symptoms) <= set(decision.after.names(True)), decision.after.summary()
+    seen = {*decision.after.names(True), *decision.after.broken_guards}
+    assert set(symptoms) <= seen, decision.after.summary()
     after = target_objects(fix)
     assert all(after[k] is v for k, v in before.items()), f"{fix.id}: targets not restored exactly"
     return decision
