@@ -39,7 +39,7 @@ nox.options.sessions = []  # nothing implicit: name sessions or tags
 PYTHON = "3.11"
 TARGETS = vllm_env.TARGETS
 CACHE = ROOT / ".nox" / "_cache"
-TEST_TOOLS = ["pytest", "hypothesis"]
+TEST_TOOLS = ["pytest", "hypothesis", "libcst"]
 
 
 def _python(session: nox.Session) -> str:

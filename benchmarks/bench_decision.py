@@ -87,7 +87,7 @@ t_all = time.perf_counter()
 for fix in fixes:
     t0 = time.perf_counter()
     decision = evaluate(fix, settings, apply=True)
-    out[fix.id] = {"ms": (time.perf_counter() - t0) * 1e3, "rung": decision.rung.value}
+    out[fix.id] = {"ms": (time.perf_counter() - t0) * 1e3, "answer": decision.answer.value}
 print(json.dumps({"fixes": out, "all_ms": (time.perf_counter() - t_all) * 1e3, "missing": missing}))
 """
 
@@ -144,11 +144,11 @@ def median_ms(
     rows = [sample(which, context) for _ in range(samples)]
     if key is None:
         values = [float(r["all_ms"]) for r in rows]
-        rung = ""
+        answer = ""
     else:
         values = [float(r["fixes"][key]["ms"]) for r in rows]
-        rung = str(rows[0]["fixes"][key]["rung"])
-    return statistics.median(values), rung, list(rows[0]["missing"])
+        answer = str(rows[0]["fixes"][key]["answer"])
+    return statistics.median(values), answer, list(rows[0]["missing"])
 
 
 def main() -> int:
@@ -163,11 +163,11 @@ def main() -> int:
     sample("all", ())  # fills WARM_ROOT, as the first vLLM process on a machine does
     print(f"median ms over {args.samples} fresh processes each (goal < 50 per fix)")
     print(
-        f"{'fix':24} {'rung':18} {'cold':>7} {'in a vLLM process (worst kind)':>32} {'first process':>14}"
+        f"{'fix':24} {'answer':18} {'cold':>7} {'in a vLLM process (worst kind)':>32} {'first process':>14}"
         f" {'after workers':>14}"
     )
     for fix in fixes:
-        cold, rung, _ = median_ms(fix.id, (), args.samples, fix.id)
+        cold, answer, _ = median_ms(fix.id, (), args.samples, fix.id)
         worst, worst_kind = 0.0, ""
         for kind in kinds[fix.id]:
             ms, _, gone = median_ms(fix.id, CONTEXT[kind], args.samples, fix.id)
@@ -180,7 +180,8 @@ def main() -> int:
         if "engine-core" in kinds[fix.id]:
             after = f"{after_workers(fix.id, args.samples, fix.id)[1]:.1f}"
         print(
-            f"{fix.id:24} {rung:18} {cold:7.1f} {worst:13.1f}  ({worst_kind:11}) {first_ms:14.1f} {after:>14}"
+            f"{fix.id:24} {answer:18} {cold:7.1f} {worst:13.1f}  ({worst_kind:11})"
+            f" {first_ms:14.1f} {after:>14}"
         )
     print("all fixes that decide in one process (goal < 150):")
     for kind, context in CONTEXT.items():

@@ -63,7 +63,7 @@ def main() -> None:
         if decision.patch is not None:
             decision.patch.revert()
     print(
-        f"decision ({decision.rung.value}): first {decisions[0] * 1e3:.1f} ms, "
+        f"decision ({decision.answer.value}): first {decisions[0] * 1e3:.1f} ms, "
         f"then median {statistics.median(decisions[1:]) * 1e3:.1f} ms"
     )
     common.get_tensor_model_parallel_rank = lambda: 1

@@ -37,7 +37,7 @@ def main() -> None:
     from vllm.distributed import parallel_state
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common, moriio_connector
 
-    from vllm_fix_core import Rung, runtime
+    from vllm_fix_core import Answer, runtime
     from vllm_fix_core.patching import original_of
     from vllm_fix_listener_port import probe
     from vllm_fix_listener_port.declaration import FIX
@@ -52,7 +52,7 @@ def main() -> None:
     config_cls = moriio_common.MoRIIOConfig
     unpatched = functools.partial(original_of(config_cls, "from_vllm_config").__func__, config_cls)
     decision = runtime.apply(FIX, STRICT)
-    if decision.rung is not Rung.APPLIED:
+    if decision.answer is not Answer.AFFECTED_FIXED:
         raise SystemExit(decision.message)
     patched = config_cls.from_vllm_config
     vllm_config = probe.vllm_config()

@@ -19,7 +19,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import interleaved
 
-from vllm_fix_core import Rung, runtime
+from vllm_fix_core import Answer, runtime
 from vllm_fix_sync_load_zeroing import FIX
 from vllm_fix_sync_load_zeroing.probe import Case, require_feature, scheduler, step_output
 from vllm_fix_testing import STRICT
@@ -84,14 +84,14 @@ def main() -> int:
     logging.getLogger("vllm").setLevel(logging.ERROR)
     decision = runtime.apply(FIX, STRICT)
     runtime.revert(FIX)
-    if decision.rung is Rung.UPSTREAM_FIXED:
-        print(f"sync-load-zeroing: {decision.rung.value} on this vLLM; nothing patched.")
+    if decision.answer is Answer.FIXED_UPSTREAM:
+        print(f"sync-load-zeroing: {decision.answer.value} on this vLLM; nothing patched.")
         print("Reference: the cost of vLLM's own exclusion (same step, zeroing list empty vs full):")
         for blocks_per_read in (1, 8, 32):
             upstream_reference(blocks_per_read)
         return 0
-    if decision.rung is not Rung.APPLIED:
-        print(f"sync-load-zeroing: {decision.rung.value} on this vLLM; nothing to time")
+    if decision.answer is not Answer.AFFECTED_FIXED:
+        print(f"sync-load-zeroing: {decision.answer.value} on this vLLM; nothing to time")
         return 0
     # Hybrid models size attention blocks to the recurrent-state page (hundreds of tokens), so a
     # 4k-token prompt is about 8 blocks; 32 blocks per READ is a dense-attention-sized case.

@@ -25,7 +25,7 @@ from vllm_fix_core import runtime  # noqa: E402
 from vllm_fix_core.registry import installed_fixes  # noqa: E402
 
 load_general_plugins()
-pending = {fid: d.rung.value for fid, d in runtime.decisions().items()}
+pending = {fid: d.answer.value for fid, d in runtime.decisions().items()}
 for item in installed_fixes():
     importlib.import_module(item.fix.trigger_module)
 lines: dict[str, list[str]] = {}
@@ -35,7 +35,7 @@ print(
     json.dumps(
         {
             "after_load": pending,
-            "decisions": {fid: d.rung.value for fid, d in runtime.decisions().items()},
+            "decisions": {fid: d.answer.value for fid, d in runtime.decisions().items()},
             "lines": lines,
         }
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fix_core import Rung, runtime
+from vllm_fix_core import Answer, runtime
 from vllm_fix_core.declaration import static_lookup
 from vllm_fix_core.registry import Installed
 from vllm_fix_testing import STRICT
@@ -47,10 +47,10 @@ def test_all_fixes_compose_in_any_order(fixes: list[Installed], order: str) -> N
     try:
         for item in items:
             decisions[item.fix.id] = runtime.apply(item.fix, STRICT)
-        applied = [i for i in items if decisions[i.fix.id].rung is Rung.APPLIED]
+        applied = [i for i in items if decisions[i.fix.id].answer is Answer.AFFECTED_FIXED]
         assert applied, "no fix applied on this vLLM"
         for item in items:
-            assert decisions[item.fix.id].rung in (Rung.APPLIED, Rung.UPSTREAM_FIXED), decisions[
+            assert decisions[item.fix.id].answer in (Answer.AFFECTED_FIXED, Answer.FIXED_UPSTREAM), decisions[
                 item.fix.id
             ].message
             # Every fix's probe still sees it fixed with all the others on top of or under it.

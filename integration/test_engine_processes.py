@@ -84,7 +84,7 @@ def test_real_engine_applies_fixes_in_its_processes(
     final: dict[tuple[str, str], str] = {}
     seen: dict[str, set[str]] = defaultdict(set)
     for row in rows:
-        final[(row["process"], row["fix"])] = row["rung"]
+        final[(row["process"], row["fix"])] = row["answer"]
         seen[row["process"]].add(row["fix"])
     engine = [p for p in seen if p.startswith("EngineCore")]
     workers = [p for p in seen if "Worker" in p]
@@ -97,8 +97,8 @@ def test_real_engine_applies_fixes_in_its_processes(
         for kind in kinds:
             processes = [p for p in seen if kind in p]
             for process in processes:
-                rung = final[(process, fix_id)]
-                assert rung in ("affected → fixed", "fixed upstream"), (process, fix_id, rung)
+                answer = final[(process, fix_id)]
+                assert answer in ("affected → fixed", "fixed upstream"), (process, fix_id, answer)
     startup = (result["startup_s"], baseline["startup_s"])
     throughput = result["tokens_per_s"] / baseline["tokens_per_s"]
     with capsys.disabled():  # the figures belong in the CI log

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_fix_core import Rung, runtime
+from vllm_fix_core import Answer, runtime
 from vllm_fix_core.registry import Installed
 from vllm_fix_testing import STRICT
 from vllm_fix_testing.prefill_instance import soak
@@ -20,7 +20,7 @@ def run_soak_with_all_fixes(fixes: list[Installed], requests: int, seed: int, wo
         runtime.revert(item.fix)
     try:
         decisions = {i.fix.id: runtime.apply(i.fix, STRICT) for i in fixes}
-        assert decisions["completion-ownership"].rung is Rung.APPLIED
+        assert decisions["completion-ownership"].answer is Answer.AFFECTED_FIXED
         world = soak(requests, seed=seed, num_workers=workers, async_scheduling=True)
         figures = world.figures()
         print(f"\nall fixes applied, seed={seed}, workers={workers}: {figures.line()}")

@@ -158,8 +158,8 @@ def test_the_tree_needs_the_fix_until_it_carries_it_natively(
     answers: tuple[dict[str, Any], dict[str, Any]],
 ) -> None:
     plain, carried = answers
-    before = {f["id"]: f for f in plain["fixes"]}
-    after = {f["id"]: f for f in carried["fixes"]}
+    before = {f["fix"]: f for f in plain["fixes"]}
+    after = {f["fix"]: f for f in carried["fixes"]}
     assert before[CARRIED]["answer"].startswith("needs it"), before[CARRIED]
     assert after[CARRIED]["answer"] == "carries it already", after[CARRIED]
     # Every other fix answers exactly as before: the tree still needs those it needed.

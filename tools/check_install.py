@@ -3,7 +3,7 @@
 - every fix package and the core are installed, the test-support package is not;
 - `vllm-fixes status` exits 0, writes only JSON with --json, and no fix says "cannot check"
   (a target that does not import means the environment is broken, e.g. msgpack is missing);
-- the text output ends with the verdict line.
+- the text output ends with the summary line.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ def main() -> int:
     out = subprocess.run([exe, "status", "--json"], capture_output=True, text=True, check=False)
     assert out.returncode == 0, f"status exited {out.returncode}: {out.stdout[-2000:]} {out.stderr[-2000:]}"
     data = json.loads(out.stdout)
-    rungs = {f["id"]: f["rung"] for f in data["fixes"]}
-    assert "cannot check" not in rungs.values(), rungs
-    assert set(rungs) == {p.fix_id for p in workspace.packages() if p.fix_id}, rungs
+    answers = {f["fix"]: f["answer"] for f in data["fixes"]}
+    assert "cannot check" not in answers.values(), answers
+    assert set(answers) == {p.fix_id for p in workspace.packages() if p.fix_id}, answers
     text = subprocess.run([exe, "status"], capture_output=True, text=True, check=True).stdout
-    assert text.strip().splitlines()[-1] == data["verdict"], text[-500:]
+    assert text.strip().splitlines()[-1] == data["summary"], text[-500:]
     print(text)
-    print(f"install check: {len(rungs)} fixes installed from the wheelhouse; {data['verdict']}")
+    print(f"install check: {len(answers)} fixes installed from the wheelhouse; {data['summary']}")
     return 0
 
 

@@ -4,7 +4,7 @@
                                   --store docs/support-matrix [--write]
     python tools/matrix.py render --store docs/support-matrix      (prints docs/support-matrix.md)
 
-`record` compares a fresh result with the stored one (rung and checks of every fix): a
+`record` compares a fresh result with the stored one (answer and checks of every fix): a
 difference fails, as a stale generated doc does, until it is reviewed and stored with --write.
 A fix that failed to fix, or could not be checked, fails the session whatever is stored, and
 so does a patched target whose undo verification did not notice (`--hostile`, the per-target
@@ -29,26 +29,26 @@ ERA = 10  # releases per table
 def normalize(
     result: dict[str, Any], release: str, hostile: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
-    """What is compared and rendered: per fix its rung, its checks, the ladder's reason and (with
+    """What is compared and rendered: per fix its answer, its checks, the ladder's reason and (with
     the per-target result) each patched target's undo: "observed" or why not."""
     targets = {entry["fix"]: entry["targets"] for entry in hostile or ()}
     fixes = {}
-    for r in sorted(result["results"], key=lambda r: r["id"]):
-        fixes[r["id"]] = {
-            "rung": r["rung"],
+    for r in sorted(result["results"], key=lambda r: r["fix"]):
+        fixes[r["fix"]] = {
+            "answer": r["answer"],
             "shape": r.get("shape"),
-            "checks": {c["check"]: c["outcome"] for c in r["checks"]},
+            "checks": {c["check"]: c["answer"] for c in r["checks"]},
             "reason": r["reason"],
         }
-        if targets.get(r["id"]):
-            fixes[r["id"]]["targets"] = targets[r["id"]]
+        if targets.get(r["fix"]):
+            fixes[r["fix"]]["targets"] = targets[r["fix"]]
     vllm = result.get("vllm") or {}
     return {"release": release, "vllm": vllm.get("version", "?"), "fixes": fixes}
 
 
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:
     return {
-        k: {"rung": v["rung"], "checks": v["checks"], "targets": sorted(v.get("targets", {}))}
+        k: {"answer": v["answer"], "checks": v["checks"], "targets": sorted(v.get("targets", {}))}
         for k, v in record["fixes"].items()
     }
 
@@ -67,9 +67,9 @@ def record(release: str, result: Path, store: Path, write: bool, hostile: Path |
     checked = json.loads(hostile.read_text()) if hostile is not None else None
     fresh = normalize(json.loads(result.read_text()), release, checked)
     path = store / f"{release}.json"
-    bad = {k: v["rung"] for k, v in fresh["fixes"].items() if v["rung"] in BAD}
-    for fix_id, rung in bad.items():
-        print(f"matrix {release}: {fix_id}: {rung}: {fresh['fixes'][fix_id]['reason']}")
+    bad = {k: v["answer"] for k, v in fresh["fixes"].items() if v["answer"] in BAD}
+    for fix_id, answer in bad.items():
+        print(f"matrix {release}: {fix_id}: {answer}: {fresh['fixes'][fix_id]['reason']}")
     blind = unobserved(fresh)
     for fix_id, missed in blind.items():
         for line in missed:
@@ -95,7 +95,7 @@ def record(release: str, result: Path, store: Path, write: bool, hostile: Path |
         observed = entry.get("targets", {})
         noun = "patched target, observed" if len(observed) == 1 else "patched targets, each observed"
         proof = f" ({len(observed)} {noun})" if observed and fix_id not in blind else ""
-        print(f"matrix {release}: {fix_id}: {entry['rung']}{proof}")
+        print(f"matrix {release}: {fix_id}: {entry['answer']}{proof}")
     return 1 if bad or blind else 0
 
 
@@ -130,11 +130,11 @@ def render(store: Path) -> str:
             "|---|" + "---|" * len(era),
         ]
         for fix in fixes:
-            cells = [records[r]["fixes"].get(fix, {}).get("rung", "–") for r in era]
+            cells = [records[r]["fixes"].get(fix, {}).get("answer", "–") for r in era]
             lines.append(f"| {fix} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Rungs: **affected → fixed** (the release has the bug; the fix applied and its probe no",
+        "Answers: **affected → fixed** (the release has the bug; the fix applied and its probe no",
         "longer sees it), **fixed upstream** (the release behaves correctly; nothing is patched),",
         "**not applicable** (the code the bug lives in is not part of the release), **refused** (the",
         "release has the bug but the fix does not patch it, reason below), **cannot check**.",
@@ -148,14 +148,14 @@ def render(store: Path) -> str:
             if entry is None:
                 continue
             checks = ", ".join(f"{k}: {v}" for k, v in entry["checks"].items())
-            text = f"- **{release}**: {entry['rung']}"
+            text = f"- **{release}**: {entry['answer']}"
             if checks:
                 text += f" ({checks})"
             if entry.get("targets"):
                 text += "; undone one at a time, each seen by verification: " + ", ".join(
                     f"`{t}`" for t in entry["targets"]
                 )
-            if entry["rung"] not in ("affected → fixed",):
+            if entry["answer"] not in ("affected → fixed",):
                 text += f". {entry['reason']}"
             lines.append(text)
     return "\n".join(lines) + "\n"

@@ -16,24 +16,24 @@ import matrix
 RELEASE = "0.31.0"
 
 
-def verify_result(rung: str = "affected → fixed") -> dict[str, Any]:
+def verify_result(answer: str = "affected → fixed") -> dict[str, Any]:
     return {
         "vllm": {"version": RELEASE},
         "results": [
             {
-                "id": "demo",
-                "rung": rung,
+                "fix": "demo",
+                "answer": answer,
                 "reason": "r",
                 "shape": "s",
-                "checks": [{"check": "symptom", "outcome": rung}],
+                "checks": [{"check": "symptom", "answer": answer}],
             }
         ],
     }
 
 
-def cell(tmp_path: Path, targets: dict[str, str], rung: str = "affected → fixed") -> tuple[Path, Path]:
+def cell(tmp_path: Path, targets: dict[str, str], answer: str = "affected → fixed") -> tuple[Path, Path]:
     result = tmp_path / "verify.json"
-    result.write_text(json.dumps(verify_result(rung)))
+    result.write_text(json.dumps(verify_result(answer)))
     hostile = tmp_path / "targets.json"
     hostile.write_text(json.dumps([{"fix": "demo", "answer": "would fix", "targets": targets}]))
     return result, hostile
@@ -68,6 +68,6 @@ def test_a_changed_set_of_patched_targets_is_a_difference(tmp_path: Path) -> Non
 
 
 def test_failed_to_fix_fails_whatever_is_stored(tmp_path: Path) -> None:
-    result, hostile = cell(tmp_path, {}, rung="failed to fix")
+    result, hostile = cell(tmp_path, {}, answer="failed to fix")
     store = tmp_path / "store"
     assert matrix.record(RELEASE, result, store, write=True, hostile=hostile) == 1

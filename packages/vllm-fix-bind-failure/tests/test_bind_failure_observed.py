@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from vllm_fix_bind_failure import FIX, patch, watch
 from vllm_fix_bind_failure.probe_worker import kv_caches
-from vllm_fix_core import PatchSet, Rung, Settings, evaluate
+from vllm_fix_core import Answer, PatchSet, Settings, evaluate
 from vllm_fix_testing import applied
 from vllm_fix_testing.hostile import assert_every_target_observed, patched_targets
 
@@ -38,7 +38,7 @@ def test_every_patched_target_is_observed() -> None:
     assert FIX.run_probe().affected
     decisions = assert_every_target_observed(FIX)
     assert set(decisions) == set(patched_targets(FIX)) and len(decisions) == 4
-    assert all(d.rung is Rung.FAILED for d in decisions.values())
+    assert all(d.answer is Answer.FAILED_TO_FIX for d in decisions.values())
     assert set(threading.enumerate()) <= before  # the probe's threads all ended
 
 
@@ -73,7 +73,7 @@ def test_breaking_the_rule_the_patch_uses_fails_verification(
 ) -> None:
     monkeypatch.setattr(owner, name, broken)  # where patch.py looks it up
     decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
-    assert decision.rung is Rung.FAILED, decision.reason
+    assert decision.answer is Answer.FAILED_TO_FIX, decision.reason
     monkeypatch.undo()
     with applied(FIX):  # nothing leaked: the intact fix still fixes
         assert not FIX.run_probe().affected

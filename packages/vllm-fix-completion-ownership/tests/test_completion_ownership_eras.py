@@ -20,7 +20,7 @@ import pytest
 from packaging.version import Version
 
 from vllm_fix_completion_ownership import FIX
-from vllm_fix_core import Rung, Settings, UnknownShape, evaluate, layers_of
+from vllm_fix_core import Answer, Settings, UnknownShape, evaluate, layers_of
 from vllm_fix_testing import vllm_version
 from vllm_fix_testing.hostile import assert_every_target_observed
 
@@ -70,7 +70,7 @@ def test_affected_then_fixed_with_this_releases_shape() -> None:
     assert set(report.names(True)) == expected_bug, report.summary()
     decision = ladder()
     try:
-        assert decision.rung is Rung.APPLIED, decision.reason
+        assert decision.answer is Answer.AFFECTED_FIXED, decision.reason
         assert decision.shape == shape
         assert decision.patch is not None
         assert {attr for _, attr in decision.patch.targets} == names
@@ -93,7 +93,7 @@ def test_request_finished_patched_only_where_it_counts_itself() -> None:
     own = cls.__dict__["request_finished"]
     decision = ladder()
     try:
-        assert decision.rung is Rung.APPLIED, decision.reason
+        assert decision.answer is Answer.AFFECTED_FIXED, decision.reason
         if "_aggregate_request_finished" in cls.__dict__:
             assert cls.__dict__["request_finished"] is own
             assert layers_of(cls, "request_finished") == []
@@ -126,7 +126,7 @@ def test_unknown_counting_request_finished_is_refused(monkeypatch: pytest.Monkey
     with pytest.raises(UnknownShape, match="request_finished"):
         recognize()
     decision = ladder()
-    assert decision.rung is Rung.REFUSED, decision.reason
+    assert decision.answer is Answer.REFUSED, decision.reason
     assert decision.patch is None
 
 
@@ -147,7 +147,7 @@ def test_broken_owner_recording_makes_verify_fail(monkeypatch: pytest.MonkeyPatc
     with monkeypatch.context() as m:
         m.setattr(patch_module, "SchedulerLedger", Broken)
         decision = ladder()
-    assert decision.rung is Rung.FAILED, decision.reason
+    assert decision.answer is Answer.FAILED_TO_FIX, decision.reason
     assert "swallowed-completion=affected" in decision.reason
     assert all(cls.__dict__[n] is originals[n] for n in names)
     assert all(layers_of(cls, n) == [] for n in names)

@@ -26,7 +26,7 @@ from vllm_fix_completion_ownership.patch import (
 )
 from vllm_fix_completion_ownership.probe import child_class, multi_connector, probe_child, request
 from vllm_fix_completion_ownership.rule import META_ATTR, SchedulerLedger, WorkerGate
-from vllm_fix_core import Rung, UnknownShape, layers_of
+from vllm_fix_core import Answer, UnknownShape, layers_of
 from vllm_fix_testing import assert_hostile_wrapper_fails, vllm_version
 from vllm_fix_testing.hostile import assert_every_target_observed
 from vllm_fix_testing.prefill_instance import World
@@ -110,7 +110,7 @@ def test_probe_fixed_when_patched(patched: object) -> None:
 def test_hostile_wrapper_over_the_targets_makes_the_ladder_fail_and_revert() -> None:
     # vLLM's original behaviour layered over every declared target: the probe, which calls
     # the installed MultiConnector, must see the bug again.
-    assert assert_hostile_wrapper_fails(FIX).rung is Rung.FAILED
+    assert assert_hostile_wrapper_fails(FIX).answer is Answer.FAILED_TO_FIX
 
 
 def require_affected() -> None:
@@ -197,7 +197,7 @@ def test_broken_rule_makes_verify_fail(monkeypatch: pytest.MonkeyPatch, name: st
         m.setattr(patch_module, name, broken())
         settings = Settings(disabled=frozenset(), strict=False)
         decision = evaluate(FIX, settings, apply=True, honour_disable=False)
-    assert decision.rung is Rung.FAILED, decision.reason
+    assert decision.answer is Answer.FAILED_TO_FIX, decision.reason
     assert all(cls.__dict__[n] is originals[n] for n in TARGET_NAMES)  # reverted exactly
     assert all(layers_of(cls, n) == [] for n in TARGET_NAMES)
     assert FIX.run_probe().affected
@@ -477,7 +477,7 @@ def test_idempotent_and_exact_revert() -> None:
     runtime.revert(FIX)
     first = runtime.apply(FIX, STRICT)
     try:
-        assert first.rung is Rung.APPLIED, first.message
+        assert first.answer is Answer.AFFECTED_FIXED, first.message
         installed = {name: cls.__dict__[name] for name in TARGET_NAMES}
         assert runtime.apply(FIX, STRICT) is first  # applying twice is a no-op
         assert first.patch is not None

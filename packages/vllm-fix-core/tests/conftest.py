@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fix_core.declaration import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core.declaration import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 TARGET_SRC = """
 class Widget:
@@ -79,10 +79,12 @@ class Demo:
             how="h",
             retire_when="r",
             targets=(Target(self.module, "Widget.compute", ProcessKind.WORKER),),
-            probe=f"{self.fix_module}:probe",
-            recognize=f"{self.fix_module}:recognize",
-            apply=f"{self.fix_module}:apply",
+            links=self.links,
         )
+
+    def links(self) -> Links:
+        module = importlib.import_module(self.fix_module)
+        return Links(module.probe, module.recognize, module.apply)
 
     def set_mode(self, mode: str) -> None:
         importlib.import_module(self.fix_module).MODE["mode"] = mode

@@ -15,7 +15,7 @@ import pytest
 
 from vllm_fix_core import runtime
 from vllm_fix_core.cli import VLLM_PLUGINS_WARNING
-from vllm_fix_core.ladder import Decision, Rung
+from vllm_fix_core.ladder import Answer, Decision
 
 # The rest runs on synthetic targets; these need vLLM's own plugin loader or its version header.
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs an installed vLLM")
@@ -29,7 +29,8 @@ def fake_dist(demo: Any, tmp_path: Path) -> dict[str, str]:
         f"FIX = Fix(id={demo.fix.id!r}, title='demo', distribution='vllm-fix-demo',"
         " upstream=(Upstream(1, UpstreamStatus.PENDING),), why='w', how='h', retire_when='r',"
         f" targets=(Target({demo.module!r}, 'Widget.compute', ProcessKind.WORKER),),"
-        f" probe={demo.fix.probe!r}, recognize={demo.fix.recognize!r}, apply={demo.fix.apply!r})\n"
+        f" links=lambda: Links(*(getattr(__import__({demo.fix_module!r}), n)"
+        " for n in ('probe', 'recognize', 'apply'))))\n"
         "def register():\n"
         "    from vllm_fix_core.runtime import install\n"
         "    install(FIX)\n"
@@ -58,7 +59,7 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def only_demo(items: list[dict[str, Any]], demo: Any) -> dict[str, Any]:
-    return next(i for i in items if i["id"] == demo.fix.id)
+    return next(i for i in items if i["fix"] == demo.fix.id)
 
 
 def test_list_json(fake_dist: dict[str, str], demo: Any) -> None:
@@ -73,13 +74,13 @@ def test_status_reports_rung_and_vllm_plugins(fake_dist: dict[str, str], demo: A
     out = cli(fake_dist, "status", "--json")
     data = json.loads(out.stdout)
     row = only_demo(data["fixes"], demo)
-    assert row["rung"] == "would fix"
+    assert row["answer"] == "would fix"
     assert row["checks"] == {"off-by-one": True, "negatives-stay-negative": False}
     assert row["plugin_loaded_by_vllm"] is True and data["warnings"] == []
     env = {**fake_dist, "VLLM_PLUGINS": "some_other_plugin", "VLLM_FIXES_DISABLE": demo.fix.id}
     data = json.loads(cli(env, "status", "--json").stdout)
     row = only_demo(data["fixes"], demo)
-    assert row["rung"] == "disabled"
+    assert row["answer"] == "disabled"
     assert row["plugin_loaded_by_vllm"] is False and "not named" in row["vllm_plugins"]
     assert data["warnings"] == [VLLM_PLUGINS_WARNING]
     text = cli(env, "status").stdout
@@ -90,7 +91,7 @@ def test_verify_table_and_exit_codes(fake_dist: dict[str, str], demo: Any, tmp_p
     out = cli(fake_dist, "verify", "--json", "--fix", demo.fix.id)
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)["results"][0]
-    assert result["outcome"] == "affected → fixed"
+    assert result["answer"] == "affected → fixed"
     # A fix that does not fix: verify fails (non-zero exit) and says so.
     fix_src = tmp_path / f"{demo.fix_module}.py"
     fix_src.write_text(fix_src.read_text().replace('"mode": "good"', '"mode": "ineffective"'))
@@ -150,14 +151,14 @@ def test_bad_switch_values_are_loud(fake_dist: dict[str, str], demo: Any) -> Non
 
 
 @needs_vllm
-def test_json_stdout_is_only_json_and_ends_with_a_verdict(fake_dist: dict[str, str], demo: Any) -> None:
+def test_json_stdout_is_only_json_and_ends_with_a_summary_line(fake_dist: dict[str, str], demo: Any) -> None:
     for command in ("status", "verify"):
         out = cli(fake_dist, command, "--json", "--fix", demo.fix.id)
         data = json.loads(out.stdout)  # nothing else on stdout
-        assert data["verdict"].startswith(f"vLLM {data['vllm']['version']}: 1 fix — ")
+        assert data["summary"].startswith(f"vLLM {data['vllm']['version']}: 1 fix — ")
         text = cli(fake_dist, command, "--fix", demo.fix.id).stdout.strip().splitlines()
         assert text[0].startswith(f"vLLM {data['vllm']['version']} (") and data["vllm"]["path"] in text[0]
-        assert text[-1] == data["verdict"]
+        assert text[-1] == data["summary"]
 
 
 def test_verify_writes_the_report(fake_dist: dict[str, str], demo: Any, tmp_path: Path) -> None:
@@ -168,9 +169,9 @@ def test_verify_writes_the_report(fake_dist: dict[str, str], demo: Any, tmp_path
         out = cli(env, "verify", "--json", "--fix", demo.fix.id)
         assert out.returncode == 0, out.stdout + out.stderr
     lines = [json.loads(line) for line in report.read_text().splitlines()]
-    assert [(r["fix"], r["rung"]) for r in lines] == [(demo.fix.id, "affected → fixed")] * 2
+    assert [(r["fix"], r["answer"]) for r in lines] == [(demo.fix.id, "affected → fixed")] * 2
     assert lines[0]["pid"] != lines[1]["pid"] != os.getpid()
-    assert set(lines[0]) == set(runtime.report_record(Decision("x", Rung.APPLIED, "r")))
+    assert set(lines[0]) == set(runtime.report_record(Decision("x", Answer.AFFECTED_FIXED, "r")))
     assert lines[0]["reason"] == json.loads(out.stdout)["results"][0]["reason"]
 
 
@@ -180,7 +181,7 @@ def test_verify_with_an_unwritable_report_warns_and_answers(
     env = {**fake_dist, "VLLM_FIXES_REPORT": str(tmp_path / "missing" / "report.jsonl")}
     out = cli(env, "verify", "--json", "--fix", demo.fix.id)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert json.loads(out.stdout)["results"][0]["rung"] == "affected → fixed"  # stdout: only JSON
+    assert json.loads(out.stdout)["results"][0]["answer"] == "affected → fixed"  # stdout: only JSON
     assert out.stderr.count("cannot be written") == 1, out.stderr
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from vllm_fix_core import runtime
-from vllm_fix_core.ladder import Decision, Rung
+from vllm_fix_core.ladder import Answer, Decision
 from vllm_fix_core.settings import REPORT_ENV, Settings
 
 Lines = Callable[[str], list[tuple[str, str]]]
@@ -41,12 +41,12 @@ def test_each_decision_is_one_line(
     fixes = [dataclasses.replace(demo.fix, id=f"{demo.fix.id}-{i}") for i in range(3)]
     try:
         for fix in fixes:
-            assert runtime.install(fix, OFF).rung is Rung.DISABLED
+            assert runtime.install(fix, OFF).answer is Answer.DISABLED
     finally:
         for fix in fixes:
             runtime.revert(fix)
     lines = records(report)
-    assert [(r["fix"], r["rung"]) for r in lines] == [(f.id, "disabled") for f in fixes]
+    assert [(r["fix"], r["answer"]) for r in lines] == [(f.id, "disabled") for f in fixes]
     assert {r["pid"] for r in lines} == {os.getpid()}
     assert all(r["reason"] == "disabled by VLLM_FIXES_DISABLE" and r["process"] for r in lines)
 
@@ -54,7 +54,7 @@ def test_each_decision_is_one_line(
 def test_unset_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(REPORT_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
-    runtime.report(Decision("some-fix", Rung.DISABLED, "r"))
+    runtime.report(Decision("some-fix", Answer.DISABLED, "r"))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -65,28 +65,28 @@ def test_unwritable_path_is_one_warning_per_process_and_retried(
     report = folder / "report.jsonl"
     monkeypatch.setenv(REPORT_ENV, str(report))
     for i in range(3):
-        runtime.report(Decision(f"fix-{i}", Rung.UPSTREAM_FIXED, "r"))  # never raises
+        runtime.report(Decision(f"fix-{i}", Answer.FIXED_UPSTREAM, "r"))  # never raises
     warnings = fix_lines("report")
     assert len(warnings) == 1 and warnings[0][0] == "WARNING"
     assert str(report) in warnings[0][1] and REPORT_ENV in warnings[0][1]
     # Once the path can be written, every later decision is there, and no second warning.
     folder.mkdir()
     for i in range(3, 5):
-        runtime.report(Decision(f"fix-{i}", Rung.UPSTREAM_FIXED, "r"))
+        runtime.report(Decision(f"fix-{i}", Answer.FIXED_UPSTREAM, "r"))
     assert [r["fix"] for r in records(report)] == ["fix-3", "fix-4"]
     assert len(fix_lines("report")) == 1
     # A path that is a folder cannot be written either: still said only once in this process.
     monkeypatch.setenv(REPORT_ENV, str(folder))
-    runtime.report(Decision("fix-5", Rung.UPSTREAM_FIXED, "r"))
+    runtime.report(Decision("fix-5", Answer.FIXED_UPSTREAM, "r"))
     assert len(fix_lines("report")) == 1
 
 
 WRITER = """
 import sys
 from vllm_fix_core import runtime
-from vllm_fix_core.ladder import Decision, Rung
+from vllm_fix_core.ladder import Decision, Answer
 for i in range(int(sys.argv[1])):
-    runtime.report(Decision(f"fix-{i}", Rung.REFUSED, "x" * 3000 + f" {i}"))
+    runtime.report(Decision(f"fix-{i}", Answer.REFUSED, "x" * 3000 + f" {i}"))
 """
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fix_core import PatchSet, Rung, Settings, evaluate
+from vllm_fix_core import Answer, PatchSet, Settings, evaluate
 from vllm_fix_handshake_port import FIX, patch
 from vllm_fix_testing import applied, assert_every_target_observed
 from vllm_fix_testing.hostile import target_objects
@@ -173,7 +173,7 @@ def test_call_through_alloc_wrapper_fails_verification(monkeypatch: pytest.Monke
     before = target_objects(FIX)
     with _call_through_alloc_wrapper(monkeypatch):
         decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
-    assert decision.rung is Rung.FAILED, decision.reason
+    assert decision.answer is Answer.FAILED_TO_FIX, decision.reason
     assert "alloc-notify-misses-listener=BROKEN" in decision.reason
     after = target_objects(FIX)
     assert all(after[k] is v for k, v in before.items())  # the ladder reverted exactly
@@ -210,7 +210,7 @@ def test_a_broken_rule_fails_verification(monkeypatch: pytest.MonkeyPatch, name:
     with monkeypatch.context() as m:
         m.setattr(patch, name, BROKEN_RULES[name])
         decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
-    assert decision.rung is Rung.FAILED, decision.reason
+    assert decision.answer is Answer.FAILED_TO_FIX, decision.reason
     after = target_objects(FIX)
     assert all(after[k] is v for k, v in before.items())
     assert FIX.run_probe().affected  # nothing left applied

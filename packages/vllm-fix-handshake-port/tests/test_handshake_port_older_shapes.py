@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_fix_core import Rung, Settings, evaluate
+from vllm_fix_core import Answer, Settings, evaluate
 from vllm_fix_handshake_port import FIX
 from vllm_fix_handshake_port.patch import callers
 from vllm_fix_handshake_port.probe import HANDSHAKE, HOST, NOTIFY, _router_request_id
@@ -41,7 +41,7 @@ def test_a_scheduler_without_the_release_sender_is_fixed() -> None:
     assert "release-misses-listener" not in {c.name for c in before.checks}  # nothing to drive
     decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
     try:
-        assert decision.rung is Rung.APPLIED, decision.reason
+        assert decision.answer is Answer.AFFECTED_FIXED, decision.reason
         assert not FIX.run_probe().affected
     finally:
         assert decision.patch is not None

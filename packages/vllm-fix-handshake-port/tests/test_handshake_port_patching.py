@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fix_core import PatchSet, Rung, UnknownShape, runtime
+from vllm_fix_core import Answer, PatchSet, UnknownShape, runtime
 from vllm_fix_core.ladder import evaluate
 from vllm_fix_core.patching import layers_of
 from vllm_fix_core.settings import Settings
@@ -136,7 +136,7 @@ def test_composes_with_another_wrapper_in_either_order(
             _listener_port_like(other_fix, mods)
         else:
             _listener_port_like(other_fix, mods)
-            assert runtime.apply(FIX, STRICT).rung is Rung.APPLIED
+            assert runtime.apply(FIX, STRICT).answer is Answer.AFFECTED_FIXED
         both = make_worker(1, 0, 2, 2, handshake=16301, notify=26005)
         assert (both.side_channel_port, both.notify_port) == (16303, 26007)  # ours
         assert both.moriio_config.local_kv_port == 0 and both.other_fix_ran  # theirs
@@ -167,7 +167,7 @@ def test_refuses_a_changed_offset_function(mods: SimpleNamespace, monkeypatch: p
     with pytest.raises(UnknownShape, match="get_port_offset"):
         recognize()
     decision = evaluate(FIX, Settings(disabled=frozenset(), strict=False), apply=True)
-    assert decision.rung is Rung.REFUSED and decision.patch is None
+    assert decision.answer is Answer.REFUSED and decision.patch is None
 
 
 def test_refuses_a_cached_reference_to_another_function(
@@ -218,7 +218,7 @@ def test_refuses_an_unknown_caller_without_tp_size(
     with pytest.raises(UnknownShape, match="_dial_peer"):
         recognize()
     decision = evaluate(FIX, Settings(disabled=frozenset(), strict=False), apply=True)
-    assert decision.rung is Rung.REFUSED and "this vLLM has the bug" in decision.reason
+    assert decision.answer is Answer.REFUSED and "this vLLM has the bug" in decision.reason
 
 
 def test_a_new_scheduler_sender_is_wrapped(mods: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:

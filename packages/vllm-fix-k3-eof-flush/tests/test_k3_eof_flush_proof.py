@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_fix_core import Rung, Settings, evaluate, layers_of
+from vllm_fix_core import Answer, Settings, evaluate, layers_of
 from vllm_fix_core.patching import original_of
 from vllm_fix_k3_eof_flush import FIX, probe
 from vllm_fix_k3_eof_flush import patch as fix_patch
@@ -62,7 +62,7 @@ def test_broken_rule_fails_verification(
     attr, broken, expected = BREAKS[name]
     monkeypatch.setattr(fix_patch, attr, broken or _released_twice(getattr(fix_patch, attr)))
     decision = evaluate(FIX, Settings(disabled=frozenset(), strict=False), apply=True, honour_disable=False)
-    assert decision.rung is Rung.FAILED, decision.reason
+    assert decision.answer is Answer.FAILED_TO_FIX, decision.reason
     assert decision.after is not None
     assert set(decision.after.names(True)) == expected
     # The ladder reverted: vLLM's own parse_delta is back, nothing of the fix is left.

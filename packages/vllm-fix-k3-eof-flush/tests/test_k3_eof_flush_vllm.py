@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fix_core import PatchSet, Rung, Settings, UnknownShape, evaluate, layers_of, original_of, runtime
+from vllm_fix_core import Answer, PatchSet, Settings, UnknownShape, evaluate, layers_of, original_of, runtime
 from vllm_fix_k3_eof_flush import FIX
 from vllm_fix_k3_eof_flush import patch as fix_patch
 from vllm_fix_testing import assert_hostile_wrapper_fails, vllm_version
@@ -242,7 +242,7 @@ def test_controls_hold_both_ways(chat: K3Chat, case: Case, unpatched: None) -> N
     for fixed in (False, True):
         if fixed:
             decision = runtime.apply(FIX, Settings(disabled=frozenset(), strict=True))
-            assert decision.rung is Rung.APPLIED
+            assert decision.answer is Answer.AFFECTED_FIXED
         try:
             streamed = chat.stream(case.setup, chunks_of(case.pieces))
             assert streamed.as_tuple() == chat.complete(case.setup, "".join(case.pieces)).as_tuple()
@@ -319,7 +319,7 @@ def test_pre_existing_non_eof_difference_is_untouched(chat: K3Chat, unpatched: N
         residue = chat.stream(PLAIN, chunks_of((*pieces[:-1], "<|close|>mess")))
     finally:
         runtime.revert(FIX)
-    assert with_fix.rung is Rung.APPLIED
+    assert with_fix.answer is Answer.AFFECTED_FIXED
     assert (before.content, after.content, oracle.content) == ("HiX", "HiX", "Hi")
     assert residue.content == "Hi"
 
@@ -337,7 +337,7 @@ def test_probe_says_affected(unpatched: None) -> None:
 def test_probe_after_fix_and_revert(k3: object) -> None:
     decision = runtime.apply(FIX, Settings(disabled=frozenset(), strict=True))
     try:
-        assert decision.rung is Rung.APPLIED, decision.message
+        assert decision.answer is Answer.AFFECTED_FIXED, decision.message
         assert decision.shape == KNOWN_SHAPE
         assert decision.after is not None and not decision.after.affected
     finally:
@@ -389,7 +389,7 @@ def test_stands_down_when_k3_reasoning_is_engine_based(k3: object, monkeypatch: 
     with pytest.raises(UnknownShape, match="parser engine"):
         fix_patch.recognize()
     decision = evaluate(FIX, Settings(disabled=frozenset(), strict=False), apply=True)
-    assert decision.rung is Rung.REFUSED
+    assert decision.answer is Answer.REFUSED
     assert "standing down" in decision.reason
     assert layers_of(k3.KimiK3Parser, "parse_delta") == []  # type: ignore[attr-defined]
 
@@ -442,7 +442,7 @@ def test_plugin_entry_point_registers(chat: K3Chat, k3: object) -> None:
 
     try:
         register()
-        assert runtime.decisions()[FIX.id].rung is Rung.APPLIED
+        assert runtime.decisions()[FIX.id].answer is Answer.AFFECTED_FIXED
         assert chat.stream(PLAIN, chunks_of(SPEC_22)).content == "List<"
     finally:
         runtime.revert(FIX)
@@ -461,7 +461,7 @@ def test_unfingerprinted_shape_is_wrapped_and_fixed(
     assert fix_patch.recognize() == "structural"
     decision = runtime.apply(FIX, Settings(disabled=frozenset(), strict=True))
     try:
-        assert (decision.rung, decision.shape) == (Rung.APPLIED, "structural")
+        assert (decision.answer, decision.shape) == (Answer.AFFECTED_FIXED, "structural")
         installed = k3.KimiK3Parser.__dict__["parse_delta"]  # type: ignore[attr-defined]
         assert type(installed).__name__ == "FunctionWrapper"
         for case in FAILING:

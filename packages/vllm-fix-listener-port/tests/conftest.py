@@ -57,12 +57,12 @@ def close_worker(worker: Any) -> None:
 
 def install_fix_in_this_process() -> None:
     """What a vLLM process does at plugin load: the fix goes through the ladder."""
-    from vllm_fix_core import Rung, runtime
+    from vllm_fix_core import Answer, runtime
     from vllm_fix_listener_port import plugin
 
     plugin.register()
     decision = runtime.decisions()["listener-port"]
-    if decision.rung is not Rung.APPLIED:
+    if decision.answer is not Answer.AFFECTED_FIXED:
         raise RuntimeError(decision.message)
 
 

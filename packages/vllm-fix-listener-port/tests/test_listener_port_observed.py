@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_fix_core import PatchSet, Rung, Settings, evaluate
+from vllm_fix_core import Answer, PatchSet, Settings, evaluate
 from vllm_fix_listener_port import patch, probe
 from vllm_fix_listener_port.declaration import FIX
 from vllm_fix_listener_port.reserve import held_ports
@@ -58,7 +58,7 @@ def test_every_patched_target_is_observed(version: str | None) -> None:
         assert FIX.run_probe().affected
         decisions = assert_every_target_observed(FIX)
     assert set(decisions) == set(patched_targets(FIX)) and len(decisions) == 2
-    assert all(d.rung is Rung.FAILED for d in decisions.values())
+    assert all(d.answer is Answer.FAILED_TO_FIX for d in decisions.values())
     assert held_ports() == []
     assert set(threading.enumerate()) <= before
 
@@ -107,7 +107,7 @@ def test_breaking_the_rule_the_patch_uses_fails_verification(
     monkeypatch.setattr(patch, name, broken)  # where patch.py looks it up
     with _mori(version):
         decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
-        assert decision.rung is Rung.FAILED, decision.reason
+        assert decision.answer is Answer.FAILED_TO_FIX, decision.reason
         monkeypatch.undo()
         with applied(FIX):  # nothing leaked: the intact fix still fixes
             assert not FIX.run_probe().affected

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fix_core import PatchSet, Rung, UnknownShape, runtime
+from vllm_fix_core import Answer, PatchSet, UnknownShape, runtime
 from vllm_fix_core.patching import layers_of
 from vllm_fix_listener_port import patch, probe
 from vllm_fix_listener_port.declaration import FIX
@@ -62,7 +62,7 @@ def test_probe_under_vllm_port_sees_two_ranks_on_one_port(monkeypatch: pytest.Mo
 
 def test_probe_fixed_after_apply() -> None:
     with applied(FIX) as decision:
-        assert decision.rung is Rung.APPLIED
+        assert decision.answer is Answer.AFFECTED_FIXED
         assert decision.shape is not None and "; port 0:" in decision.shape
         report = FIX.run_probe()
         assert not report.affected, report.summary()
@@ -289,7 +289,7 @@ def test_composes_with_another_wrapper(order: str, tp_group: None) -> None:
 
     def ours() -> Any:
         decision = runtime.apply(FIX, STRICT)
-        assert decision.rung is Rung.APPLIED, decision.message
+        assert decision.answer is Answer.AFFECTED_FIXED, decision.message
         return decision
 
     try:

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
 
-from vllm_fix_core import PatchSet, Rung, UnknownShape, ast_fingerprint, runtime
+from vllm_fix_core import Answer, PatchSet, UnknownShape, ast_fingerprint, runtime
 from vllm_fix_core.ladder import evaluate
 from vllm_fix_core.patching import original_of
 from vllm_fix_core.settings import Settings
@@ -314,14 +314,14 @@ def test_no_shared_mr_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(NotApplicable):
         patch.recognize()
     decision = evaluate(FIX, Settings(disabled=frozenset(), strict=True), apply=True)
-    assert decision.rung is Rung.NOT_APPLICABLE, decision.message
+    assert decision.answer is Answer.NOT_APPLICABLE, decision.message
 
 
 def test_idempotent_and_exact_revert() -> None:
     with applied(FIX):
         installed = WORKER.__dict__["_build_shared_kv_mr"]
         assert installed is not ORIGINAL
-        assert runtime.apply(FIX).rung is Rung.APPLIED
+        assert runtime.apply(FIX).answer is Answer.AFFECTED_FIXED
         extra = PatchSet(FIX.id)
         patch.apply(extra, patch.recognize())  # same fix, same target: a no-op
         assert WORKER.__dict__["_build_shared_kv_mr"] is installed
@@ -337,7 +337,7 @@ def test_drifted_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(UnknownShape, match="not a known shape"):
         patch.recognize()
     decision = evaluate(FIX, Settings(disabled=frozenset(), strict=False), apply=True)
-    assert decision.rung is Rung.REFUSED, decision.message
+    assert decision.answer is Answer.REFUSED, decision.message
     assert WORKER.__dict__["_build_shared_kv_mr"] is _build_shared_kv_mr  # nothing patched
 
 

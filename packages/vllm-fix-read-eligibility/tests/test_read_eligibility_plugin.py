@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fix_core import Rung
+from vllm_fix_core import Answer
 from vllm_fix_testing.plugin_scenarios import run_scenarios
 
 SCENARIOS = ["lazy", "disabled", "moriio-unimportable", "unknown-shape", "unknown-shape-strict"]
@@ -30,7 +30,7 @@ def test_applies_lazily_when_vllm_imports_moriio(results: dict[str, dict[str, An
     assert r["state"]["layers"] == ["read-eligibility"]
     assert len(r["lines"]) == 1
     level, msg = r["lines"][0]
-    assert level == "INFO" and f"read-eligibility: {Rung.APPLIED.value}" in msg
+    assert level == "INFO" and f"read-eligibility: {Answer.AFFECTED_FIXED.value}" in msg
 
 
 def test_disabled_logs_one_debug_line_and_patches_nothing(results: dict[str, dict[str, Any]]) -> None:
@@ -47,7 +47,7 @@ def test_moriio_unimportable_logs_one_warning_and_changes_nothing(results: dict[
     assert r["state"]["imported"] is False
     assert len(r["all_lines"]) == 1
     level, msg = r["all_lines"][0]
-    assert level == "WARNING" and f"read-eligibility: {Rung.CANNOT_CHECK.value}" in msg
+    assert level == "WARNING" and f"read-eligibility: {Answer.CANNOT_CHECK.value}" in msg
     assert "failed to import" in msg
 
 
@@ -57,7 +57,7 @@ def test_unknown_shape_logs_one_warning_and_changes_nothing(results: dict[str, d
     assert r["still_drifted"] is True and r["state"]["layers"] == []
     assert len(r["all_lines"]) == 1
     level, msg = r["all_lines"][0]
-    assert level == "WARNING" and f"read-eligibility: {Rung.REFUSED.value}" in msg
+    assert level == "WARNING" and f"read-eligibility: {Answer.REFUSED.value}" in msg
     assert "this vLLM has the bug" in msg and "no longer decides by" in msg
 
 

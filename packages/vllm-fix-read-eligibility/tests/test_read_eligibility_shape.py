@@ -8,9 +8,9 @@ import pytest
 from packaging.version import Version
 
 from vllm_fix_core import (
+    Answer,
     FixRefused,
     PatchSet,
-    Rung,
     Settings,
     UnknownShape,
     ast_fingerprint,
@@ -80,7 +80,7 @@ def test_drifted_body_is_refused_by_recognize_not_by_a_crashing_probe(
     with pytest.raises(UnknownShape, match=r"no longer decides by self\.is_producer / self\.mode"):
         patch.recognize()
     decision = evaluate(FIX, LENIENT, apply=True)
-    assert decision.rung is Rung.REFUSED
+    assert decision.answer is Answer.REFUSED
     assert "this vLLM has the bug" in decision.reason and "unknown target shape" in decision.reason
     assert cls.__dict__[patch.TARGET] is drifted_body and layers_of(cls, patch.TARGET) == []
     with pytest.raises(FixRefused):
@@ -116,7 +116,7 @@ def symptoms_on_this_release() -> list[str]:
 def test_decision_on_this_release() -> None:
     decision = runtime.apply(FIX, STRICT)
     try:
-        assert decision.rung is Rung.APPLIED
+        assert decision.answer is Answer.AFFECTED_FIXED
         assert decision.before is not None and decision.before.names(True) == symptoms_on_this_release()
         assert decision.after is not None and not decision.after.affected
     finally:
@@ -143,6 +143,6 @@ def test_a_broken_rule_fails_verification(monkeypatch: pytest.MonkeyPatch, broke
     cls = scheduler_class()
     original = cls.__dict__[patch.TARGET]
     decision = evaluate(FIX, LENIENT, apply=True, honour_disable=False)
-    assert decision.rung is Rung.FAILED, decision.reason
+    assert decision.answer is Answer.FAILED_TO_FIX, decision.reason
     assert decision.after is not None and "malformed-params-claim-remote-kv" in decision.after.names(True)
     assert cls.__dict__[patch.TARGET] is original and layers_of(cls, patch.TARGET) == []

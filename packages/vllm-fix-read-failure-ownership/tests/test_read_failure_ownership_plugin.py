@@ -8,7 +8,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
-from vllm_fix_core import Rung
+from vllm_fix_core import Answer
 from vllm_fix_read_failure_ownership import FIX
 
 SCRIPT = r"""
@@ -17,7 +17,7 @@ from vllm.plugins import load_general_plugins
 from vllm_fix_core import runtime
 
 load_general_plugins()
-before = runtime.decisions()["read-failure-ownership"].rung.value
+before = runtime.decisions()["read-failure-ownership"].answer.value
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
 from vllm_fix_read_failure_ownership import patch
 
@@ -25,7 +25,7 @@ decision = runtime.decisions()["read-failure-ownership"]
 installed = mc.MoRIIOConnectorWorker.__dict__["_pop_done_transfers"]
 print("RESULT" + json.dumps({
     "before": before,
-    "rung": decision.rung.value,
+    "answer": decision.answer.value,
     "shape": decision.shape,
     "ours": any(installed is f for f in patch.REPLACEMENTS.values()),
 }))
@@ -52,7 +52,7 @@ def test_vllm_plugin_loader_applies_the_fix_when_moriio_is_imported() -> None:
 
     assert result == {
         "before": "pending",
-        "rung": Rung.APPLIED.value,
+        "answer": Answer.AFFECTED_FIXED.value,
         "shape": f"vllm-{vllm_version()}",
         "ours": True,
     }

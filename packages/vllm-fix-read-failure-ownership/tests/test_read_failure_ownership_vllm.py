@@ -18,10 +18,10 @@ import pytest
 from packaging.version import Version
 
 from vllm_fix_core import (
+    Answer,
     FixRefused,
     NotApplicable,
     PatchSet,
-    Rung,
     Settings,
     UnknownShape,
     ast_fingerprint,
@@ -278,7 +278,7 @@ def test_no_hybrid_read_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(NotApplicable, match="hybrid"):
         probe.probe()
     decision = evaluate(FIX, Settings(disabled=frozenset(), strict=True), apply=True)
-    assert decision.rung is Rung.NOT_APPLICABLE
+    assert decision.answer is Answer.NOT_APPLICABLE
     assert cls.__dict__["_pop_done_transfers"] is original
     assert layers_of(cls, "_pop_done_transfers") == []
 
@@ -401,7 +401,7 @@ def test_decision_is_applied_in_strict_mode() -> None:
     runtime.revert(FIX)
     decision = runtime.apply(FIX, STRICT)
     try:
-        assert decision.rung is Rung.APPLIED
+        assert decision.answer is Answer.AFFECTED_FIXED
         assert decision.before is not None and decision.before.affected
     finally:
         runtime.revert(FIX)

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_fix_core import PatchSet, Rung, Settings, evaluate
+from vllm_fix_core import Answer, PatchSet, Settings, evaluate
 from vllm_fix_spec_kv_readiness import FIX, patch, probe
 from vllm_fix_testing import assert_every_target_observed
 
@@ -56,7 +56,7 @@ def test_ladder_fixes_and_every_target_is_observed() -> None:
     ]
     decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
     try:
-        assert decision.rung is Rung.APPLIED, decision.reason
+        assert decision.answer is Answer.AFFECTED_FIXED, decision.reason
         assert "kv-output-misses-step-saves" in decision.reason
     finally:
         if decision.patch is not None:
@@ -182,6 +182,6 @@ def test_breaking_the_rule_the_patch_uses_fails_verification(
     the ladder says "failed to fix" (and reverts)."""
     monkeypatch.setattr(patch, name, broken)
     decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
-    if decision.patch is not None and decision.rung is Rung.APPLIED:
+    if decision.patch is not None and decision.answer is Answer.AFFECTED_FIXED:
         decision.patch.revert()
-    assert decision.rung is Rung.FAILED, decision.reason
+    assert decision.answer is Answer.FAILED_TO_FIX, decision.reason

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from packaging.version import Version
 
-from vllm_fix_core import PatchSet, Rung, Settings, evaluate, layers_of
+from vllm_fix_core import Answer, PatchSet, Settings, evaluate, layers_of
 from vllm_fix_core.declaration import static_lookup
 from vllm_fix_spec_kv_readiness import FIX, patch, readiness
 from vllm_fix_spec_kv_readiness.readiness import StepDone
@@ -116,7 +116,7 @@ def test_a_broken_rule_fails_verification(monkeypatch: pytest.MonkeyPatch, case:
 def test_the_real_rule_verifies() -> None:
     decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
     try:
-        assert decision.rung is Rung.APPLIED, decision.message
+        assert decision.answer is Answer.AFFECTED_FIXED, decision.message
     finally:
         assert decision.patch is not None
         decision.patch.revert()

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from vllm_fix_core import Rung, layers_of, original_of
+from vllm_fix_core import Answer, layers_of, original_of
 from vllm_fix_core.declaration import static_lookup
 from vllm_fix_spec_kv_readiness import FIX, readiness
 from vllm_fix_testing import applied, assert_hostile_wrapper_fails, vllm_version
@@ -115,7 +115,7 @@ def test_probe_sees_the_bug_unpatched_and_not_patched() -> None:
     )
     assert not report.broken_guards
     with applied(FIX) as decision:
-        assert decision.rung is Rung.APPLIED
+        assert decision.answer is Answer.AFFECTED_FIXED
         after = FIX.run_probe()
     assert not after.affected and not after.broken_guards, after.summary()
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_fix_core import Rung, Settings, UnknownShape, evaluate, layers_of, original_of
+from vllm_fix_core import Answer, Settings, UnknownShape, evaluate, layers_of, original_of
 from vllm_fix_core.declaration import static_lookup
 from vllm_fix_sync_load_context import FIX, patch
 from vllm_fix_testing import STRICT, assert_every_target_observed, assert_verification_fails
@@ -126,7 +126,7 @@ def test_the_real_rule_verifies() -> None:
     """The positive twin of the test above (same call, rule intact)."""
     decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
     try:
-        assert decision.rung is Rung.APPLIED, decision.message
+        assert decision.answer is Answer.AFFECTED_FIXED, decision.message
     finally:
         assert decision.patch is not None
         decision.patch.revert()
@@ -262,7 +262,7 @@ def patched() -> Iterator[Any]:
     from vllm_fix_core import runtime
 
     cls = _active_cls()
-    assert runtime.apply(FIX, STRICT).rung is Rung.APPLIED
+    assert runtime.apply(FIX, STRICT).answer is Answer.AFFECTED_FIXED
     try:
         yield cls
     finally:

@@ -1,4 +1,4 @@
-"""Idempotence, exact revert, the hostile wrapper, the shape checks, and the ladder's verdict."""
+"""Idempotence, exact revert, the hostile wrapper, the shape checks, and the ladder's answer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from vllm_fix_core import Rung, Settings, UnknownShape, evaluate, layers_of, runtime
+from vllm_fix_core import Answer, Settings, UnknownShape, evaluate, layers_of, runtime
 from vllm_fix_core.declaration import static_lookup
 from vllm_fix_sync_load_context import FIX
 from vllm_fix_sync_load_context.patch import full_branch_problem, recognize
@@ -25,7 +25,7 @@ def test_apply_twice_is_a_no_op_and_revert_is_exact() -> None:
     cls = _active()
     original = static_lookup(cls, "pre_forward")
     first = runtime.apply(FIX, STRICT)
-    assert first.rung is Rung.APPLIED
+    assert first.answer is Answer.AFFECTED_FIXED
     installed = cls.__dict__["pre_forward"]
     second = runtime.apply(FIX, STRICT)
     assert second is first
@@ -53,7 +53,7 @@ def test_probe_observes_vllm_not_the_fix() -> None:
 def test_verify_affected_then_fixed_with_guards_kept() -> None:
     decision = evaluate(FIX, Settings(disabled=frozenset(), strict=True), apply=True)
     try:
-        assert decision.rung is Rung.APPLIED, decision.message
+        assert decision.answer is Answer.AFFECTED_FIXED, decision.message
         assert decision.before is not None and decision.after is not None
         assert decision.before.names(True) == ["full-replay-sync-load-outside-step-context"]
         assert decision.before.broken_guards == decision.after.broken_guards == []
@@ -150,7 +150,7 @@ def test_composes_with_another_layer_on_active_kv_connector(order: str) -> None:
     try:
         if order == "other-first":
             apply_other()
-        assert runtime.apply(FIX, STRICT).rung is Rung.APPLIED
+        assert runtime.apply(FIX, STRICT).answer is Answer.AFFECTED_FIXED
         if order == "fix-first":
             apply_other()
         calls.clear()  # the probe ran through the other layer too

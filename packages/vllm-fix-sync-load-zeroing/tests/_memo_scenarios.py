@@ -106,7 +106,7 @@ def scenario(name: str) -> dict[str, Any]:
         result["checks"] = [[c.name, c.affected, c.guard] for c in report.checks]
     else:
         decision = evaluate(FIX, Settings(disabled=frozenset(), strict=False), apply=True)
-        result["rung"] = decision.rung.value
+        result["answer"] = decision.answer.value
         result["message"] = decision.message
     result["worker_utils_after"] = WORKER_UTILS in sys.modules
     result["memo_after"] = _digest(path)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from vllm_fix_core import Rung
+from vllm_fix_core import Answer
 from vllm_fix_sync_load_zeroing import memo
 from vllm_fix_sync_load_zeroing.coverage import read_rewrites_zeroed_bytes
 from vllm_fix_sync_load_zeroing.memo import CoverageFacts, compute_facts, coverage_facts
@@ -32,7 +32,7 @@ from vllm_fix_testing import vllm_version
 from vllm_fix_testing.plugin_scenarios import Capture, run_scenarios
 
 AFFECTED = vllm_version() < Version("0.32.0")  # the fix applies: apply() imports worker utils
-RUNG = (Rung.APPLIED if AFFECTED else Rung.UPSTREAM_FIXED).value
+ANSWER = (Answer.AFFECTED_FIXED if AFFECTED else Answer.FIXED_UPSTREAM).value
 SCENARIOS = [
     "cold-decide",
     "warm-probe",
@@ -99,7 +99,7 @@ def live_probe_checks() -> list[list[Any]]:
 def test_cold_decision_writes_the_memo(runs: dict[str, dict[str, Any]], _module_cache_root: Path) -> None:
     r = runs["cold-decide"]
     assert r["memo_before"] is None and r["memo_after"] is not None
-    assert r["rung"] == RUNG, r["message"]
+    assert r["answer"] == ANSWER, r["message"]
     assert r["worker_utils_after"] is True  # cold: it had to ask vLLM's zeroer
     path = Path(r["memo_path"])
     assert path.parent == _module_cache_root / "vllm-fixes" / "sync-load-zeroing"
@@ -142,7 +142,7 @@ def test_probe_on_the_memo_does_not_import_worker_utils(runs: dict[str, dict[str
 
 def test_decision_on_the_memo_reaches_the_same_rung(runs: dict[str, dict[str, Any]]) -> None:
     r = runs["warm-decide"]
-    assert r["rung"] == runs["cold-decide"]["rung"] == RUNG, r["message"]
+    assert r["answer"] == runs["cold-decide"]["answer"] == ANSWER, r["message"]
     assert r["memo_after"] == r["memo_before"]
     # Where the fix applies, apply() imports the module on purpose (the patched method needs it
     # on its first step with pending READs); elsewhere nothing imports it.
@@ -236,7 +236,7 @@ def test_layout_environment_is_part_of_the_key(monkeypatch: pytest.MonkeyPatch, 
 
 def test_corrupt_memo_in_a_fresh_process(runs: dict[str, dict[str, Any]]) -> None:
     r = runs["corrupt-memo"]
-    assert r["rung"] == RUNG, r["message"]
+    assert r["answer"] == ANSWER, r["message"]
     assert r["memo_facts"] == runs["cold-decide"]["memo_facts"]  # rewritten, valid again
     memo_lines = [line for line in r["lines"] if "coverage memo" in line[1]]
     assert len(memo_lines) == 1 and memo_lines[0][0] == "DEBUG"
@@ -245,7 +245,7 @@ def test_corrupt_memo_in_a_fresh_process(runs: dict[str, dict[str, Any]]) -> Non
 
 def test_memo_of_another_vllm_version_in_a_fresh_process(runs: dict[str, dict[str, Any]]) -> None:
     r = runs["other-vllm-version"]
-    assert r["rung"] == RUNG, r["message"]  # not "not applicable", as its facts would say
+    assert r["answer"] == ANSWER, r["message"]  # not "not applicable", as its facts would say
     assert r["memo_facts"] == runs["cold-decide"]["memo_facts"]
     assert (
         json.loads(Path(r["memo_path"]).read_bytes())["stamp"]["vllm_version"]
@@ -256,7 +256,7 @@ def test_memo_of_another_vllm_version_in_a_fresh_process(runs: dict[str, dict[st
 
 def test_unwritable_cache_root_in_a_fresh_process(runs: dict[str, dict[str, Any]]) -> None:
     r = runs["unwritable"]
-    assert r["rung"] == RUNG, r["message"]
+    assert r["answer"] == ANSWER, r["message"]
     assert r["memo_after"] is None
     memo_lines = [line for line in r["lines"] if "coverage memo" in line[1]]
     assert len(memo_lines) == 1 and memo_lines[0][0] == "DEBUG"
@@ -345,7 +345,7 @@ def test_no_cache_root_at_all(monkeypatch: pytest.MonkeyPatch, memo_lines: list[
 
 def test_worker_decision_writes_the_memo(runs: dict[str, dict[str, Any]], _module_cache_root: Path) -> None:
     r = runs["worker-decide"]
-    assert r["rung"] == RUNG, r["message"]
+    assert r["answer"] == ANSWER, r["message"]
     assert Path(r["memo_path"]).parent == _module_cache_root / "workers" / "vllm-fixes" / "sync-load-zeroing"
     assert r["memo_before"] is None and r["memo_after"] is not None
     assert r["memo_facts"] == live_facts().to_json()  # exactly the live facts
@@ -362,7 +362,7 @@ def test_engine_core_after_its_workers_reads_their_memo(runs: dict[str, dict[str
     assert r["memo_before"] == r["memo_after"] == written
     assert r["checks"] == live_probe_checks()
     r = runs["engine-after-worker-decide"]
-    assert r["rung"] == runs["worker-decide"]["rung"] == RUNG, r["message"]
+    assert r["answer"] == runs["worker-decide"]["answer"] == ANSWER, r["message"]
     assert r["memo_before"] == r["memo_after"] == written
     assert r["worker_utils_after"] is AFFECTED  # only apply() imports it, on purpose (0.31.0)
     assert len(r["lines"]) == 1  # the decision line only
@@ -370,7 +370,7 @@ def test_engine_core_after_its_workers_reads_their_memo(runs: dict[str, dict[str
 
 def test_worker_leaves_a_valid_memo_alone(runs: dict[str, dict[str, Any]]) -> None:
     r = runs["worker-valid-memo"]
-    assert r["rung"] == RUNG, r["message"]
+    assert r["answer"] == ANSWER, r["message"]
     assert r["memo_before"] == r["memo_after"] == runs["worker-decide"]["memo_after"]
     assert r["memo_mtime_before"] is not None
     assert r["memo_mtime_after"] == r["memo_mtime_before"]  # read, not rewritten
@@ -379,7 +379,7 @@ def test_worker_leaves_a_valid_memo_alone(runs: dict[str, dict[str, Any]]) -> No
 
 def test_worker_rewrites_a_memo_with_other_facts(runs: dict[str, dict[str, Any]]) -> None:
     r = runs["worker-other-facts"]
-    assert r["rung"] == RUNG, r["message"]
+    assert r["answer"] == ANSWER, r["message"]
     assert r["edited_facts"] != live_facts().to_json()
     assert r["memo_facts"] == live_facts().to_json()  # rewritten with what the zeroer does
     assert r["memo_after"] != r["memo_before"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from vllm_fix_core import NotApplicable, PatchSet, Rung, Settings, evaluate, runtime
+from vllm_fix_core import Answer, NotApplicable, PatchSet, Settings, evaluate, runtime
 from vllm_fix_sync_load_zeroing import FIX
 from vllm_fix_sync_load_zeroing.coverage import read_rewrites_zeroed_bytes
 from vllm_fix_sync_load_zeroing.oracle import hybrid_layouts, zeroing_is_overwritten
@@ -98,9 +98,9 @@ def test_decision_table_patched(case: Case, layout: str) -> None:
 def test_ladder_rung_on_this_release() -> None:
     decision = runtime.apply(FIX, LENIENT)
     if HAS_EXCLUSION:
-        assert decision.rung is Rung.UPSTREAM_FIXED, decision.message
+        assert decision.answer is Answer.FIXED_UPSTREAM, decision.message
     else:
-        assert decision.rung is Rung.APPLIED, decision.message
+        assert decision.answer is Answer.AFFECTED_FIXED, decision.message
         assert decision.before is not None and decision.before.names(True) == ["zeroing-races-sync-read"]
 
 
@@ -204,7 +204,7 @@ def test_release_without_hybrid_read_is_not_applicable(monkeypatch: pytest.Monke
     monkeypatch.setattr(module.MoRIIOConnectorScheduler, "__init__", old_init)
     with pytest.raises(NotApplicable, match="hybrid"):
         probe()
-    assert runtime.apply(FIX, LENIENT).rung is Rung.NOT_APPLICABLE
+    assert runtime.apply(FIX, LENIENT).answer is Answer.NOT_APPLICABLE
 
 
 def test_release_without_zeroing_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,7 +227,7 @@ def test_coverage_not_computable_is_cannot_check(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(worker_utils, "KVBlockZeroer", ChangedZeroer)
     decision = runtime.apply(FIX, LENIENT)
-    assert decision.rung is Rung.CANNOT_CHECK, decision.message
+    assert decision.answer is Answer.CANNOT_CHECK, decision.message
     runtime.revert(FIX)
 
 
@@ -358,7 +358,7 @@ def test_probe_catches_a_regressed_exclusion(
     monkeypatch.setattr(module.MoRIIOConnectorScheduler, "build_connector_meta", _regressed(module, kind))
     assert symptom in probe().names(True)
     decision = runtime.apply(FIX, LENIENT)
-    assert decision.rung is Rung.REFUSED, decision.message
+    assert decision.answer is Answer.REFUSED, decision.message
     runtime.revert(FIX)
 
 
@@ -482,9 +482,9 @@ def test_broken_rule_fails_to_fix_or_stays_upstream(
     decision = evaluate(FIX, LENIENT, apply=True, honour_disable=False)
     try:
         if HAS_EXCLUSION:
-            assert decision.rung is Rung.UPSTREAM_FIXED, decision.message
+            assert decision.answer is Answer.FIXED_UPSTREAM, decision.message
         else:
-            assert decision.rung is Rung.FAILED, decision.message
+            assert decision.answer is Answer.FAILED_TO_FIX, decision.message
             assert decision.after is not None and decision.after.affected
     finally:
         if decision.patch is not None:
@@ -504,7 +504,7 @@ def test_fork_api_broken_rule_fails_to_fix(
     decision = evaluate(FIX, LENIENT, apply=True, honour_disable=False)
     if decision.patch is not None:
         decision.patch.revert()
-    assert decision.rung is Rung.FAILED, decision.message
+    assert decision.answer is Answer.FAILED_TO_FIX, decision.message
     assert fork.MoRIIOConnector.__dict__["get_sync_load_block_ids"] is original
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_fix_core import Rung, Settings, evaluate
-from vllm_fix_core.declaration import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Answer, Settings, evaluate
+from vllm_fix_core.declaration import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 from vllm_fix_core.patching import layers_of
 from vllm_fix_testing.hostile import (
     assert_every_target_observed,
@@ -78,10 +78,12 @@ class Synthetic:
             how="h",
             retire_when="r",
             targets=(Target(self.module, "Widget.compute", ProcessKind.WORKER),),
-            probe=f"{self.fix_module}:probe",
-            recognize=f"{self.fix_module}:recognize",
-            apply=f"{self.fix_module}:apply",
+            links=self.links,
         )
+
+    def links(self) -> Links:
+        module = importlib.import_module(self.fix_module)
+        return Links(module.probe, module.recognize, module.apply)
 
     def sees_scale(self, value: bool) -> None:
         importlib.import_module(self.fix_module).SEES["scale"] = value
@@ -109,7 +111,7 @@ def test_patched_targets_are_what_apply_patched_declared_or_not(synthetic: Synth
 def test_a_probe_that_observes_every_target_passes(synthetic: Synthetic) -> None:
     decisions = assert_every_target_observed(synthetic.fix)
     assert set(decisions) == {"Widget.compute", f"{synthetic.module}.scale"}
-    assert all(d.rung is Rung.FAILED for d in decisions.values())
+    assert all(d.answer is Answer.FAILED_TO_FIX for d in decisions.values())
     assert synthetic.untouched()
 
 
@@ -127,6 +129,6 @@ def test_a_probe_blind_to_one_target_is_named_while_the_all_at_once_form_misses_
     # The check reverted what the blind decision left applied.
     assert synthetic.untouched()
     real = evaluate(synthetic.fix, Settings(disabled=frozenset(), strict=False), apply=True)
-    assert real.rung is Rung.APPLIED and real.patch is not None
+    assert real.answer is Answer.AFFECTED_FIXED and real.patch is not None
     real.patch.revert()
     assert synthetic.untouched()

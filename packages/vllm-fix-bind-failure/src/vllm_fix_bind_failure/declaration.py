@@ -1,10 +1,17 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 CONNECTOR = f"{PACKAGE}.moriio_connector"
 ENGINE = f"{PACKAGE}.moriio_engine"
+
+
+def _links() -> Links:
+    from vllm_fix_bind_failure import patch, probe
+
+    return Links(probe.probe, patch.recognize, patch.apply)
+
 
 FIX = Fix(
     id="bind-failure",
@@ -44,9 +51,7 @@ FIX = Fix(
         Target(ENGINE, "MoRIIOWrapper.async_wait_reqid", ProcessKind.WORKER),
         Target(ENGINE, "zmq_ctx", ProcessKind.WORKER),
     ),
-    probe="vllm_fix_bind_failure.probe:probe",
-    recognize="vllm_fix_bind_failure.patch:recognize",
-    apply="vllm_fix_bind_failure.patch:apply",
+    links=_links,
     notes=(
         "Independent of the port convention: useful with or without vllm-fix-handshake-port, and "
         "with DP = TP = 1 (two instances on one host with the default ports).",

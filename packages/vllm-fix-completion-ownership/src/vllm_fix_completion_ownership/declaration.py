@@ -1,8 +1,15 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
+
+
+def _links() -> Links:
+    from vllm_fix_completion_ownership import patch, probe
+
+    return Links(probe.probe, patch.recognize, patch.apply)
+
 
 FIX = Fix(
     id="completion-ownership",
@@ -65,9 +72,7 @@ FIX = Fix(
         # there; from 0.30.0 on it delegates to get_transfer_results and is not touched.
         Target(MODULE, "MultiConnector.get_finished", ProcessKind.WORKER),
     ),
-    probe="vllm_fix_completion_ownership.probe:probe",
-    recognize="vllm_fix_completion_ownership.patch:recognize",
-    apply="vllm_fix_completion_ownership.patch:apply",
+    links=_links,
     notes=(
         "Load the plugin in every vLLM process (vLLM does: general plugins load in engine "
         "core and workers). A patched worker that receives metadata without owner sets logs "

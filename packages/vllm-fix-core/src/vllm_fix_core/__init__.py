@@ -4,6 +4,7 @@ from vllm_fix_core.__about__ import __version__
 from vllm_fix_core.declaration import (
     Check,
     Fix,
+    Links,
     NotApplicable,
     ProbeReport,
     ProcessKind,
@@ -13,25 +14,27 @@ from vllm_fix_core.declaration import (
     UpstreamStatus,
 )
 from vllm_fix_core.fingerprint import ast_fingerprint, function_ast, parse_source
-from vllm_fix_core.ladder import Decision, FixFailed, FixRefused, Rung, evaluate, verdict
+from vllm_fix_core.ladder import Answer, Decision, FixFailed, FixRefused, GuardAnswer, evaluate, summary_line
 from vllm_fix_core.log import get_logger
 from vllm_fix_core.patching import PatchConflict, PatchSet, layers_of, original_of
 from vllm_fix_core.runtime import apply, decisions, install, revert
 from vllm_fix_core.settings import InvalidSetting, Settings
 
 __all__ = [
+    "Answer",
     "Check",
     "Decision",
     "Fix",
     "FixFailed",
     "FixRefused",
+    "GuardAnswer",
     "InvalidSetting",
+    "Links",
     "NotApplicable",
     "PatchConflict",
     "PatchSet",
     "ProbeReport",
     "ProcessKind",
-    "Rung",
     "Settings",
     "Target",
     "UnknownShape",
@@ -49,5 +52,5 @@ __all__ = [
     "original_of",
     "parse_source",
     "revert",
-    "verdict",
+    "summary_line",
 ]

@@ -1,7 +1,7 @@
 """The `vllm-fixes` command: list, status, verify (each with --json; status/verify with --source).
 
-Every answer uses the ladder's own words (`Rung` values); `status` and `verify` end with one
-verdict line per vLLM. With --json, stdout carries only JSON: vLLM's log lines and prints go to
+Every answer uses the ladder's own words (`Answer` values); `status` and `verify` end with one
+summary line per vLLM. With --json, stdout carries only JSON: vLLM's log lines and prints go to
 stderr while targets are imported and probed.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 from vllm_fix_core import runtime
 from vllm_fix_core.declaration import Fix, ProbeReport
 from vllm_fix_core.environment import ImportedVllm, imported_vllm
-from vllm_fix_core.ladder import Decision, Rung, evaluate, verdict
+from vllm_fix_core.ladder import Answer, Decision, GuardAnswer, evaluate, summary_line
 from vllm_fix_core.registry import Installed, installed_fixes, plugin_entry_points
 from vllm_fix_core.settings import (
     DISABLE_ENV,
@@ -37,9 +37,9 @@ VLLM_PLUGINS_WARNING = (
     "VLLM_PLUGINS is set: it filters EVERY vLLM plugin group (general, platform, io-processor, "
     "stat-logger), not only these fixes; use VLLM_FIXES_DISABLE to switch single fixes off"
 )
-# Rungs after which the command exits non-zero: the fix did not fix, or nothing could be said.
-_BAD_VERIFY = (Rung.FAILED, Rung.CANNOT_CHECK)
-_BAD_STATUS = (Rung.CANNOT_CHECK,)
+# Answers after which the command exits non-zero: the fix did not fix, or nothing could be said.
+_BAD_VERIFY = (Answer.FAILED_TO_FIX, Answer.CANNOT_CHECK)
+_BAD_STATUS = (Answer.CANNOT_CHECK,)
 
 
 # ---------------------------------------------------------------- output helpers
@@ -114,7 +114,7 @@ def cmd_list(items: list[Installed], args: argparse.Namespace) -> int:
             json.dumps(
                 [
                     {
-                        "id": i.fix.id,
+                        "fix": i.fix.id,
                         "distribution": i.fix.distribution,
                         "version": i.version,
                         "title": i.fix.title,
@@ -184,8 +184,8 @@ def cmd_status(items: list[Installed], args: argparse.Namespace) -> int:
         info = imported_vllm()
         rows = status_rows(items, settings)
     warnings = _settings_warnings(settings, items)
-    line = verdict(_vllm_name(info), [r.decision for r in rows])
-    bad = any(r.decision.rung in _BAD_STATUS for r in rows)
+    line = summary_line(_vllm_name(info), [r.decision for r in rows])
+    bad = any(r.decision.answer in _BAD_STATUS for r in rows)
     if args.json:
         print(
             json.dumps(
@@ -197,17 +197,15 @@ def cmd_status(items: list[Installed], args: argparse.Namespace) -> int:
                     "warnings": warnings,
                     "fixes": [
                         {
-                            "id": r.fix.id,
+                            **r.decision.record(),
                             "version": r.version,
-                            "rung": r.decision.rung.value,
-                            "reason": r.decision.reason,
                             "checks": _checks(r.decision.before),
                             "plugin_loaded_by_vllm": r.plugin_loaded,
                             "vllm_plugins": r.plugin_note,
                         }
                         for r in rows
                     ],
-                    "verdict": line,
+                    "summary": line,
                 },
                 indent=2,
                 ensure_ascii=False,
@@ -220,16 +218,17 @@ def cmd_status(items: list[Installed], args: argparse.Namespace) -> int:
     )
     for w in warnings:
         print(f"WARNING: {w}")
-    table = [[r.fix.id, r.decision.rung.value, r.plugin_note, r.decision.reason] for r in rows]
-    print(_table(table, ["fix", "rung", "VLLM_PLUGINS", "why"]))
+    table = [[*_row(r.decision), r.plugin_note] for r in rows]
+    print(_table(table, ["fix", "answer", "why", "VLLM_PLUGINS"]))
     print(line)
     return 1 if bad else 0
 
 
 # ---------------------------------------------------------------- verify
-GUARD_KEPT = "guard kept"
-GUARD_BROKEN_HERE = "guard broken on this vLLM"
-GUARD_BROKEN_BY_FIX = "GUARD BROKEN BY FIX"
+def _row(decision: Decision) -> list[str]:
+    """A decision's row in the CLI's tables: fix, answer, why (the same record as the JSON)."""
+    record = decision.record()
+    return [record["fix"], record["answer"], record["reason"]]
 
 
 def verify_fix(fix: Fix) -> tuple[Decision, dict[str, Any]]:
@@ -238,30 +237,27 @@ def verify_fix(fix: Fix) -> tuple[Decision, dict[str, Any]]:
     runtime.revert(fix)
     decision = evaluate(fix, settings, apply=True, honour_disable=False)
     runtime.report(decision)  # $VLLM_FIXES_REPORT: one line per decision, as in a vLLM process
-    overall = decision.rung.value
+    overall: str = decision.answer.value
     checks: list[dict[str, Any]] = []
     before, after = decision.before, decision.after
     for check in before.checks if before is not None else ():
         after_check = next((c for c in after.checks if c.name == check.name), None) if after else None
         if check.guard:
             if check.affected:
-                outcome = GUARD_BROKEN_HERE
+                answer: str = GuardAnswer.BROKEN_HERE.value
             elif after_check is not None and after_check.affected:
-                outcome = GUARD_BROKEN_BY_FIX
+                answer = GuardAnswer.BROKEN_BY_FIX.value
             else:
-                outcome = GUARD_KEPT
+                answer = GuardAnswer.KEPT.value
         else:
             # A symptom this vLLM does not show is fixed upstream; one it shows shares the
-            # fix's outcome (fixed, failed to fix, or refused).
-            outcome = overall if check.affected else Rung.UPSTREAM_FIXED.value
-        checks.append({"check": check.name, "guard": check.guard, "outcome": outcome, "detail": check.detail})
+            # fix's answer (fixed, failed to fix, or refused).
+            answer = overall if check.affected else Answer.FIXED_UPSTREAM.value
+        checks.append({"check": check.name, "guard": check.guard, "answer": answer, "detail": check.detail})
     if decision.patch is not None:
         decision.patch.revert()
     return decision, {
-        "id": fix.id,
-        "outcome": overall,
-        "rung": overall,
-        "reason": decision.reason,
+        **decision.record(),
         "shape": decision.shape,
         "checks": checks,
     }
@@ -273,12 +269,12 @@ def cmd_verify(items: list[Installed], args: argparse.Namespace) -> int:
         verified = [verify_fix(i.fix) for i in items]
     decisions = [d for d, _ in verified]
     results = [r for _, r in verified]
-    line = verdict(_vllm_name(info), decisions)
-    bad = [d.fix_id for d in decisions if d.rung in _BAD_VERIFY]
+    line = summary_line(_vllm_name(info), decisions)
+    bad = [d.fix_id for d in decisions if d.answer in _BAD_VERIFY]
     if args.json:
         print(
             json.dumps(
-                {"vllm": _vllm_json(info), "results": results, "failed": len(bad), "verdict": line},
+                {"vllm": _vllm_json(info), "results": results, "failed": len(bad), "summary": line},
                 indent=2,
                 ensure_ascii=False,
             )
@@ -287,26 +283,21 @@ def cmd_verify(items: list[Installed], args: argparse.Namespace) -> int:
     print(_vllm_header(info))
     rows: list[list[str]] = []
     for r in results:
-        note = r["reason"] if r["outcome"] != Rung.APPLIED.value else ""
-        rows.append([r["id"], r["outcome"], r["shape"] or "", note])
+        note = r["reason"] if r["answer"] != Answer.AFFECTED_FIXED.value else ""
+        rows.append([r["fix"], r["answer"], r["shape"] or "", note])
         for c in r["checks"]:
-            rows.append(["  " + c["check"], c["outcome"], "", ""])
-    print(_table(rows, ["fix / check", "outcome", "shape", "note"]))
+            rows.append(["  " + c["check"], c["answer"], "", ""])
+    print(_table(rows, ["fix / check", "answer", "shape", "note"]))
     print(line)
     return 1 if bad else 0
 
 
 # ---------------------------------------------------------------- --source (fork trees)
-FORK_ANSWER = {
-    Rung.APPLIED.value: "needs it (the tree has the bug; the runtime fix applies and verifies)",
-    Rung.EVALUATED.value: "needs it (the tree has the bug; the runtime fix would apply)",
-    Rung.UPSTREAM_FIXED.value: "carries it already",
-    Rung.NOT_APPLICABLE.value: "not applicable (the code the bug lives in is not in the tree)",
-    Rung.REFUSED.value: "cannot be patched safely here",
-    Rung.FAILED.value: "cannot be patched safely here (the fix did not verify)",
-    Rung.CANNOT_CHECK.value: "cannot check",
-    Rung.DISABLED.value: "disabled",
-}
+def _in_a_tree(answer: str) -> str:
+    try:
+        return Answer(answer).in_a_tree
+    except ValueError:
+        return answer
 
 
 def cmd_source(command: str, source: str, args: argparse.Namespace) -> int:
@@ -334,14 +325,19 @@ def cmd_source(command: str, source: str, args: argparse.Namespace) -> int:
         return 2
     vllm = data.get("vllm") or {}
     rows = data.get("results") or data.get("fixes") or []
-    answers = []
-    for row in rows:
-        answer = FORK_ANSWER.get(row["rung"], row["rung"])
-        answers.append({"id": row["id"], "rung": row["rung"], "answer": answer, "reason": row["reason"]})
+    answers = [
+        {
+            "fix": row["fix"],
+            "answer": row["answer"],
+            "this_tree": _in_a_tree(row["answer"]),
+            "reason": row["reason"],
+        }
+        for row in rows
+    ]
     if args.json:
         print(
             json.dumps(
-                {"source": tree, "vllm": vllm, "fixes": answers, "verdict": data.get("verdict")},
+                {"source": tree, "vllm": vllm, "fixes": answers, "summary": data.get("summary")},
                 indent=2,
                 ensure_ascii=False,
             )
@@ -350,10 +346,14 @@ def cmd_source(command: str, source: str, args: argparse.Namespace) -> int:
     print(f"source tree {tree}: vLLM {vllm.get('version', '?')} ({vllm.get('path', '?')})")
     table = []
     for a in answers:
-        why = a["reason"] if a["rung"] not in (Rung.UPSTREAM_FIXED.value, Rung.APPLIED.value) else ""
-        table.append([a["id"], a["answer"], why])
+        why = (
+            a["reason"]
+            if a["answer"] not in (Answer.FIXED_UPSTREAM.value, Answer.AFFECTED_FIXED.value)
+            else ""
+        )
+        table.append([a["fix"], a["this_tree"], why])
     print(_table(table, ["fix", "this tree", "why"]))
-    print(data.get("verdict", ""))
+    print(data.get("summary", ""))
     return proc.returncode
 
 
@@ -365,7 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (
         ("list", "installed fix packages, versions, upstream PRs"),
-        ("status", "each fix's rung on the decision ladder for this vLLM, and what VLLM_PLUGINS does to it"),
+        (
+            "status",
+            "each fix's answer on the decision ladder for this vLLM, and what VLLM_PLUGINS does to it",
+        ),
         (
             "verify",
             "probe unpatched vLLM, apply, probe again; non-zero exit if a fix fails or cannot be checked; "

@@ -138,12 +138,21 @@ class NotApplicable(Exception):
     """
 
 
-def _load(ref: str) -> Any:
-    module, _, attr = ref.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+@dataclass(frozen=True)
+class Links:
+    """What a fix runs, typed (mypy checks each declaration's links against these):
+
+    * probe() -> ProbeReport: CPU-only behavioural check against the real, currently installed
+      target; `affected` means "this vLLM has the bug".
+    * recognize() -> str: the name of the known target shape, or raises UnknownShape (the
+      answer is then "refused").
+    * apply(patch, shape) -> None: install the fix through `patch` (which records everything,
+      so that revert is exact).
+    """
+
+    probe: Callable[[], ProbeReport]
+    recognize: Callable[[], str]
+    apply: Callable[[PatchSet, str], None]
 
 
 @dataclass(frozen=True)
@@ -156,7 +165,7 @@ class Fix:
     * probe() -> ProbeReport: CPU-only behavioural check against the real,
       currently installed target; `affected` means "this vLLM has the bug".
     * recognize() -> str: the name of the known target shape, or raises
-      UnknownShape (rung 4).
+      UnknownShape (the answer is then "refused").
     * apply(patch: PatchSet, shape: str) -> None: install the fix through
       `patch` (which records everything so revert is exact).
     """
@@ -169,9 +178,7 @@ class Fix:
     how: str
     retire_when: str
     targets: tuple[Target, ...]
-    probe: str
-    recognize: str
-    apply: str
+    links: Callable[[], Links]
     # Module whose import triggers the decision in a process (defaults to the
     # first target's module). It must import every other target module itself.
     trigger: str = ""
@@ -193,14 +200,13 @@ class Fix:
         return tuple(seen)
 
     def run_probe(self) -> ProbeReport:
-        report = _load(self.probe)()
+        report = self.links().probe()
         if not isinstance(report, ProbeReport):
             raise TypeError(f"probe of {self.id} returned {type(report).__name__}")
         return report
 
     def run_recognize(self) -> str:
-        return str(_load(self.recognize)())
+        return str(self.links().recognize())
 
     def run_apply(self, patch: PatchSet, shape: str) -> None:
-        fn: Callable[[PatchSet, str], None] = _load(self.apply)
-        fn(patch, shape)
+        self.links().apply(patch, shape)

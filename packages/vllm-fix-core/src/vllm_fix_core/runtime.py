@@ -10,8 +10,8 @@ from types import ModuleType
 
 from vllm_fix_core.declaration import Fix
 from vllm_fix_core.environment import register_switches
-from vllm_fix_core.hooks import locate, when_imported
-from vllm_fix_core.ladder import Decision, Rung, _log, evaluate
+from vllm_fix_core.hooks import when_imported
+from vllm_fix_core.ladder import Answer, Decision, at_install, evaluate, pending, trigger_failed
 from vllm_fix_core.log import get_logger
 from vllm_fix_core.settings import REPORT_ENV, Settings, unknown_ids_message
 
@@ -43,9 +43,7 @@ def report_record(decision: Decision) -> dict[str, object]:
         "pid": os.getpid(),
         "process": multiprocessing.current_process().name,
         "argv0": os.path.basename(sys.argv[0]) if sys.argv else "",
-        "fix": decision.fix_id,
-        "rung": decision.rung.value,
-        "reason": decision.reason,
+        **decision.record(),
     }
 
 
@@ -93,36 +91,22 @@ def install(fix: Fix, settings: Settings | None = None) -> Decision:
     _warn_unknown_ids(settings)
     with _lock:
         current = _decisions.get(fix.id)
-        if current is not None and current.rung in (Rung.APPLIED, Rung.PENDING):
+        if current is not None and current.answer in (Answer.AFFECTED_FIXED, Answer.PENDING):
             return current  # applying twice is a no-op
-    if settings.is_disabled(fix.id):
-        decision = Decision(fix.id, Rung.DISABLED, "disabled by VLLM_FIXES_DISABLE")
-        _log(fix, decision)
-        return _store(decision)
-    try:
-        present = locate(fix.trigger_module)
-    except Exception as exc:  # a broken sys.path entry must not reach vLLM
-        present = False
-        why = repr(exc)
-    else:
-        why = "not part of this vLLM"
-    if not present:
-        decision = Decision(fix.id, Rung.NOT_APPLICABLE, f"{fix.trigger_module} is {why}")
-        _log(fix, decision)
-        return _store(decision)
+    early = at_install(fix, settings)
+    if early is not None:
+        early.log()
+        return _store(early)
 
     def on_loaded(_module: ModuleType) -> None:
         _store(evaluate(fix, settings, apply=True))
 
     def on_failed(exc: BaseException) -> None:
-        # The module is part of this vLLM but cannot be imported in this environment (a missing
-        # dependency, say): vLLM cannot use it here either, so nothing is patched, but the bug
-        # may well be there; say so loudly.
-        decision = Decision(fix.id, Rung.CANNOT_CHECK, f"{fix.trigger_module} failed to import: {exc!r}")
-        _log(fix, decision)
+        decision = trigger_failed(fix, exc)
+        decision.log()
         _store(decision)
 
-    _store(Decision(fix.id, Rung.PENDING, f"waiting for vLLM to import {fix.trigger_module}"))
+    _store(pending(fix))
     when_imported(fix.trigger_module, on_loaded, on_failed)
     return decisions()[fix.id]
 
@@ -149,7 +133,7 @@ def apply(fix: Fix, settings: Settings | None = None) -> Decision:
     settings = settings or Settings.from_env()
     with _lock:
         current = _decisions.get(fix.id)
-        if current is not None and current.rung is Rung.APPLIED:
+        if current is not None and current.answer is Answer.AFFECTED_FIXED:
             return current
     return _store(evaluate(fix, settings, apply=True))
 

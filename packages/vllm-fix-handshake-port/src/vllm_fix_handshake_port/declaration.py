@@ -1,11 +1,18 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 COMMON = f"{PACKAGE}.moriio_common"
 CONNECTOR = f"{PACKAGE}.moriio_connector"
 ENGINE = f"{PACKAGE}.moriio_engine"
+
+
+def _links() -> Links:
+    from vllm_fix_handshake_port import patch, probe
+
+    return Links(probe.probe, patch.recognize, patch.apply)
+
 
 FIX = Fix(
     id="handshake-port",
@@ -67,9 +74,7 @@ FIX = Fix(
         Target(ENGINE, "MoRIIOWriter._execute_write_task", ProcessKind.WORKER, optional=True),
         Target(ENGINE, "MoRIIOWriter._resolve_notify_endpoint", ProcessKind.WORKER, optional=True),
     ),
-    probe="vllm_fix_handshake_port.probe:probe",
-    recognize="vllm_fix_handshake_port.patch:recognize",
-    apply="vllm_fix_handshake_port.patch:apply",
+    links=_links,
     notes=(
         "Both sides must run it: peers derive each other's per-rank ports from the published "
         "bases, so a patched and an unpatched instance disagree wherever one of them has "

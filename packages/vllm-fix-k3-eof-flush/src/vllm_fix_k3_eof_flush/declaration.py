@@ -1,8 +1,15 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 MODULE = "vllm.parser.kimi_k3"
+
+
+def _links() -> Links:
+    from vllm_fix_k3_eof_flush import patch, probe
+
+    return Links(probe.probe, patch.recognize, patch.apply)
+
 
 FIX = Fix(
     id="k3-eof-flush",
@@ -41,7 +48,5 @@ FIX = Fix(
         "package once every supported vLLM release is one of those."
     ),
     targets=(Target(MODULE, "KimiK3Parser.parse_delta", ProcessKind.API_SERVER),),
-    probe="vllm_fix_k3_eof_flush.probe:probe",
-    recognize="vllm_fix_k3_eof_flush.patch:recognize",
-    apply="vllm_fix_k3_eof_flush.patch:apply",
+    links=_links,
 )

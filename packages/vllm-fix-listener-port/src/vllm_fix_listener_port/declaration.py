@@ -1,10 +1,17 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 _PKG = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 COMMON = f"{_PKG}.moriio_common"
 CONNECTOR = f"{_PKG}.moriio_connector"
+
+
+def _links() -> Links:
+    from vllm_fix_listener_port import patch, probe
+
+    return Links(probe.probe, patch.recognize, patch.apply)
+
 
 FIX = Fix(
     id="listener-port",
@@ -45,9 +52,7 @@ FIX = Fix(
         Target(COMMON, "MoRIIOConfig.from_vllm_config", ProcessKind.WORKER),
         Target(CONNECTOR, "MoRIIOConnectorWorker.__init__", ProcessKind.WORKER),
     ),
-    probe="vllm_fix_listener_port.probe:probe",
-    recognize="vllm_fix_listener_port.patch:recognize",
-    apply="vllm_fix_listener_port.patch:apply",
+    links=_links,
     # moriio_connector imports moriio_common itself, and the worker can only call
     # from_vllm_config after moriio_connector is imported.
     trigger=CONNECTOR,

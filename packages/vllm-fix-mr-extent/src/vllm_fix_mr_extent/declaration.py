@@ -1,8 +1,15 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
+
+
+def _links() -> Links:
+    from vllm_fix_mr_extent import patch, probe
+
+    return Links(probe.probe, patch.recognize, patch.apply)
+
 
 FIX = Fix(
     id="mr-extent",
@@ -39,9 +46,7 @@ FIX = Fix(
         "patched); drop the package once every supported vLLM release does."
     ),
     targets=(Target(MODULE, "MoRIIOConnectorWorker._build_shared_kv_mr", ProcessKind.WORKER),),
-    probe="vllm_fix_mr_extent.probe:probe",
-    recognize="vllm_fix_mr_extent.patch:recognize",
-    apply="vllm_fix_mr_extent.patch:apply",
+    links=_links,
     notes=(
         "vLLM before 0.29.0 registers no shared KV memory region (no _build_shared_kv_mr): "
         "not applicable there.",

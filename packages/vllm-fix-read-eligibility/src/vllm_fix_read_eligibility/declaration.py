@@ -1,8 +1,15 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
+
+
+def _links() -> Links:
+    from vllm_fix_read_eligibility import patch, probe
+
+    return Links(probe.probe, patch.recognize, patch.apply)
+
 
 FIX = Fix(
     id="read-eligibility",
@@ -46,7 +53,5 @@ FIX = Fix(
         "vLLM release does."
     ),
     targets=(Target(MODULE, "MoRIIOConnectorScheduler.get_num_new_matched_tokens", ProcessKind.ENGINE_CORE),),
-    probe="vllm_fix_read_eligibility.probe:probe",
-    recognize="vllm_fix_read_eligibility.patch:recognize",
-    apply="vllm_fix_read_eligibility.patch:apply",
+    links=_links,
 )

@@ -1,8 +1,15 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
+
+
+def _links() -> Links:
+    from vllm_fix_read_failure_ownership import patch, probe
+
+    return Links(probe.probe, patch.recognize, patch.apply)
+
 
 FIX = Fix(
     id="read-failure-ownership",
@@ -37,9 +44,7 @@ FIX = Fix(
         "every supported vLLM release does."
     ),
     targets=(Target(MODULE, "MoRIIOConnectorWorker._pop_done_transfers", ProcessKind.WORKER),),
-    probe="vllm_fix_read_failure_ownership.probe:probe",
-    recognize="vllm_fix_read_failure_ownership.patch:recognize",
-    apply="vllm_fix_read_failure_ownership.patch:apply",
+    links=_links,
     notes=(
         "Hybrid fail-closed sends no release: the producer reclaims through its own "
         "timeout (0.33.0: READ deferred-send reaper, defer_timeout, default 60 s).",

@@ -1,10 +1,17 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 KV_CONNECTOR = "vllm.v1.worker.gpu.kv_connector"
 ASYNC_UTILS = "vllm.v1.worker.gpu.async_utils"
 MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
+
+
+def _links() -> Links:
+    from vllm_fix_spec_kv_readiness import patch, probe
+
+    return Links(probe.probe, patch.recognize, patch.apply)
+
 
 FIX = Fix(
     id="spec-kv-readiness",
@@ -50,9 +57,7 @@ FIX = Fix(
     ),
     # sample_tokens is what the probe runs; the model runner imports both target modules.
     trigger=MODEL_RUNNER,
-    probe="vllm_fix_spec_kv_readiness.probe:probe",
-    recognize="vllm_fix_spec_kv_readiness.patch:recognize",
-    apply="vllm_fix_spec_kv_readiness.patch:apply",
+    links=_links,
     notes=(
         "Covers the MRV2 runner (vllm/v1/worker/gpu), 0.15 onwards (0.14's MRV2 runner has no "
         "KV connector). The V1 runner's early snapshot (KVConnectorModelRunnerMixin: "

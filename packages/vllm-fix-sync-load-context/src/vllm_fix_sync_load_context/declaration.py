@@ -1,8 +1,15 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 MODULE = "vllm.v1.worker.gpu.kv_connector"
+
+
+def _links() -> Links:
+    from vllm_fix_sync_load_context import patch, probe
+
+    return Links(probe.probe, patch.recognize, patch.apply)
+
 
 FIX = Fix(
     id="sync-load-context",
@@ -45,9 +52,7 @@ FIX = Fix(
     # The runner module imports kv_connector; deciding once it is fully imported lets the
     # probe run the real GPUModelRunner.execute_model.
     trigger="vllm.v1.worker.gpu.model_runner",
-    probe="vllm_fix_sync_load_context.probe:probe",
-    recognize="vllm_fix_sync_load_context.patch:recognize",
-    apply="vllm_fix_sync_load_context.patch:apply",
+    links=_links,
     notes=(
         "slot_mapping and ubatch_slices of the step are left empty; no in-tree connector reads "
         "them in start_load_kv.",

@@ -1,8 +1,15 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
-from vllm_fix_core import Fix, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
+
+
+def _links() -> Links:
+    from vllm_fix_sync_load_zeroing import patch, probe
+
+    return Links(probe.probe, patch.recognize, patch.apply)
+
 
 FIX = Fix(
     id="sync-load-zeroing",
@@ -45,9 +52,7 @@ FIX = Fix(
         Target(MODULE, "MoRIIOConnectorScheduler.build_connector_meta", ProcessKind.ENGINE_CORE),
         Target(MODULE, "MoRIIOConnector.get_sync_load_block_ids", ProcessKind.ENGINE_CORE, optional=True),
     ),
-    probe="vllm_fix_sync_load_zeroing.probe:probe",
-    recognize="vllm_fix_sync_load_zeroing.patch:recognize",
-    apply="vllm_fix_sync_load_zeroing.patch:apply",
+    links=_links,
     notes=(
         "Layout coverage as computed: LBHNC, LBNHC, BLHNC and BLNHC are covered on every release; "
         "LHBNC and BHLNC only where MoRIIO's READ copies head slices (0.33.0). vLLM's resolver gives "

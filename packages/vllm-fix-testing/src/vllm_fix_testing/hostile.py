@@ -28,8 +28,8 @@ import sys
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from vllm_fix_core import Decision, Fix, FixFailed, PatchSet, Rung, Settings, evaluate, original_of
-from vllm_fix_core.declaration import _load, static_lookup
+from vllm_fix_core import Answer, Decision, Fix, FixFailed, PatchSet, Settings, evaluate, original_of
+from vllm_fix_core.declaration import Links, static_lookup
 
 HOSTILE_ID = "hostile-wrapper"
 
@@ -71,8 +71,7 @@ _PLANS: dict[str, _Plan] = {}
 def hostile_apply(patch: PatchSet, shape: str) -> None:
     """The fix's own apply, then the undo layer over the chosen patched target(s)."""
     plan = _PLANS[patch.fix_id]
-    real: Any = _load(plan.fix.apply)
-    real(patch, shape)
+    plan.fix.links().apply(patch, shape)
     hostile = PatchSet(HOSTILE_ID)
     plan.seen = [label(owner, attr) for owner, attr in patch.targets]
     for owner, attr in patch.targets:
@@ -87,7 +86,11 @@ def hostile_apply(patch: PatchSet, shape: str) -> None:
 def hostile_decision(fix: Fix, *, strict: bool = False, only: str | None = None) -> Decision:
     """The ladder's decision for `fix` with the undo layer over `only` (default: every target)."""
     _PLANS[fix.id] = _Plan(fix, only)
-    variant = dataclasses.replace(fix, apply=f"{__name__}:hostile_apply")
+
+    def links() -> Links:
+        return dataclasses.replace(fix.links(), apply=hostile_apply)
+
+    variant = dataclasses.replace(fix, links=links)
     return evaluate(variant, Settings(disabled=frozenset(), strict=strict), apply=True, honour_disable=False)
 
 
@@ -123,9 +126,9 @@ def _check_fails(fix: Fix, only: str | None) -> Decision:
     decision = hostile_decision(fix, only=only)
     if decision.patch is not None:  # "affected → fixed" keeps its patch: take it off again
         decision.patch.revert()
-    assert decision.rung is Rung.FAILED, (
+    assert decision.answer is Answer.FAILED_TO_FIX, (
         f"{fix.id}: with vLLM's original layered over {what}, the ladder said "
-        f"{decision.rung.value!r} ({decision.reason}); its probe does not observe that target"
+        f"{decision.answer.value!r} ({decision.reason}); its probe does not observe that target"
     )
     after = target_objects(fix)
     assert all(after[k] is v for k, v in before.items()), f"{fix.id}: targets not restored exactly"
@@ -156,8 +159,8 @@ def assert_verification_fails(fix: Fix, symptoms: Collection[str] = ()) -> Decis
     decision = evaluate(fix, Settings(disabled=frozenset(), strict=False), apply=True, honour_disable=False)
     if decision.patch is not None:
         decision.patch.revert()
-    assert decision.rung is Rung.FAILED, (
-        f"{fix.id}: the ladder said {decision.rung.value!r} ({decision.reason})"
+    assert decision.answer is Answer.FAILED_TO_FIX, (
+        f"{fix.id}: the ladder said {decision.answer.value!r} ({decision.reason})"
     )
     assert decision.after is not None, decision.reason
     seen = {*decision.after.names(True), *decision.after.broken_guards}
@@ -199,8 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         decision = evaluate(
             fix, Settings(disabled=frozenset(), strict=False), apply=False, honour_disable=False
         )
-        if decision.rung is not Rung.EVALUATED:
-            print(json.dumps({"fix": fix.id, "answer": decision.rung.value, "targets": {}}), flush=True)
+        if decision.answer is not Answer.WOULD_FIX:
+            print(json.dumps({"fix": fix.id, "answer": decision.answer.value, "targets": {}}), flush=True)
             continue
         results: dict[str, str] = {}
         for name in patched_targets(fix):
@@ -210,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except AssertionError as exc:
                 failed += 1
                 results[name] = f"NOT observed: {exc}"
-        print(json.dumps({"fix": fix.id, "answer": decision.rung.value, "targets": results}), flush=True)
+        print(json.dumps({"fix": fix.id, "answer": decision.answer.value, "targets": results}), flush=True)
     print(f"hostile: {len(fixes)} fixes checked, {failed} patched targets not observed", file=sys.stderr)
     return 1 if failed else 0
 

@@ -13,7 +13,7 @@ from packaging.version import Version
 
 from vllm_fix_core import runtime
 from vllm_fix_core.declaration import Fix
-from vllm_fix_core.ladder import Decision, Rung
+from vllm_fix_core.ladder import Answer, Decision
 from vllm_fix_core.settings import Settings
 
 STRICT = Settings(disabled=frozenset(), strict=True)
@@ -35,7 +35,7 @@ def applied(fix: Fix) -> Iterator[Decision]:
     runtime.revert(fix)
     decision = runtime.apply(fix, STRICT)
     try:
-        if decision.rung is not Rung.APPLIED:
+        if decision.answer is not Answer.AFFECTED_FIXED:
             raise AssertionError(f"{fix.id} was not applied: {decision.message}")
         yield decision
     finally:
