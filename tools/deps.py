@@ -4,7 +4,7 @@
 
 For each package under packages/: the top-level modules its src/ imports (every `import` and
 `from ... import` statement, function-level ones included; relative imports are the package's
-own) are compared with its `[project] dependencies`. The standard library and what a vLLM
+own) are compared with its `[project] dependencies` and its `backport` extra. The standard library and what a vLLM
 environment provides (HOST_PROVIDED: vLLM itself and the packages vLLM declares) are not
 declared by a fix: a fix never runs outside vLLM, and pinning vLLM's own dependencies would only
 fight vLLM's pins. Anything else imported must be declared, and anything declared must be
@@ -72,7 +72,10 @@ def imported_modules(src: Path) -> dict[str, str]:
 
 def _declared(pyproject: Path) -> set[str]:
     project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
-    return {workspace.requirement_name(req) for req in project.get("dependencies", [])}
+    # The `backport` extra's requirements count as declared (libcst, imported only by the native
+    # transformations, which `vllm-fixes backport` loads).
+    extras = project.get("optional-dependencies", {}).get("backport", [])
+    return {workspace.requirement_name(req) for req in [*project.get("dependencies", []), *extras]}
 
 
 def check_package(path: Path, local: dict[str, str]) -> list[Difference]:

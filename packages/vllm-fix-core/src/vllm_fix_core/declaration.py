@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from vllm_fix_core.native import NativeEdit, SourceTree
     from vllm_fix_core.patching import PatchSet
 
 
@@ -183,6 +184,9 @@ class Fix:
     # first target's module). It must import every other target module itself.
     trigger: str = ""
     notes: tuple[str, ...] = field(default=())
+    # How a fork carries the fix in its own source (`vllm-fixes backport`): the edits for a tree,
+    # or CannotCarry saying why (see vllm_fix_core.native). None: no native transformation.
+    native: Callable[[SourceTree], list[NativeEdit]] | None = None
 
     @property
     def trigger_module(self) -> str:

@@ -1,0 +1,190 @@
+"""libcst helpers for native transformations (the `backport` extra).
+
+libcst keeps the tree's comments and formatting: a transformation changes the functions the bug
+lives in and nothing else. Every helper raises `CannotCarry` (never a libcst error) when the tree's
+code is not what it expects, so the backport can say why.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Sequence
+
+import libcst as cst
+
+from vllm_fix_core.native import CannotCarry
+
+FunctionChange = Callable[[cst.FunctionDef], cst.FunctionDef]
+
+
+def parse(source: str, where: str = "the module") -> cst.Module:
+    try:
+        return cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        raise CannotCarry(f"{where} does not parse: {exc}") from exc
+
+
+def statements(code: str) -> list[cst.BaseStatement]:
+    """Statements from (dedented) code text, ready to place into a body."""
+    return list(cst.parse_module(textwrap.dedent(code).strip("\n") + "\n").body)
+
+
+def comment_line(text: str) -> cst.EmptyLine:
+    """A comment line (`text` starts with '#') to put in a statement's leading_lines."""
+    return cst.EmptyLine(comment=cst.Comment(text))
+
+
+def with_comment(stmt: cst.BaseStatement, text: str) -> cst.BaseStatement:
+    """`stmt` with a comment line before it (after the lines already there)."""
+    if isinstance(stmt, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+        return stmt.with_changes(leading_lines=[*stmt.leading_lines, comment_line(text)])
+    raise TypeError(f"cannot comment a {type(stmt).__name__}")
+
+
+def _body_of(node: cst.CSTNode) -> Sequence[cst.BaseStatement]:
+    body = getattr(node, "body", None)
+    inner = getattr(body, "body", None)
+    return inner if isinstance(inner, Sequence) else ()
+
+
+def find_function(module: cst.Module, qualname: str) -> cst.FunctionDef:
+    """The `def` at `qualname` ("func" or "Class.method"): top level and class bodies only."""
+    scope: Sequence[cst.BaseStatement] = module.body
+    *parents, name = qualname.split(".")
+    for parent in parents:
+        klass = next((s for s in scope if isinstance(s, cst.ClassDef) and s.name.value == parent), None)
+        if klass is None:
+            raise CannotCarry(f"no class {parent} (looking for {qualname})")
+        scope = _body_of(klass)
+    found = [s for s in scope if isinstance(s, cst.FunctionDef) and s.name.value == name]
+    if len(found) != 1:
+        raise CannotCarry(f"{'no' if not found else 'more than one'} def {qualname}")
+    return found[0]
+
+
+class _Replace(cst.CSTTransformer):
+    def __init__(self, target: cst.FunctionDef, new: cst.FunctionDef) -> None:
+        self.target, self.new, self.done = target, new, False
+
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.FunctionDef:
+        if original_node is self.target:
+            self.done = True
+            return self.new
+        return updated_node
+
+
+def change_function(source: str, qualname: str, change: FunctionChange) -> str:
+    """`source` with the function at `qualname` replaced by `change(function)`."""
+    module = parse(source)
+    target = find_function(module, qualname)
+    replacer = _Replace(target, change(target))
+    result = module.visit(replacer)
+    if not replacer.done:  # pragma: no cover - find_function found it in this very tree
+        raise CannotCarry(f"def {qualname} could not be replaced")
+    return result.code
+
+
+def function_code(source: str, qualname: str) -> str:
+    """The source text of one function (to check a shape, or to show it)."""
+    module = parse(source)
+    return module.code_for_node(find_function(module, qualname))
+
+
+def body_statements(func: cst.FunctionDef) -> list[cst.BaseStatement]:
+    if not isinstance(func.body, cst.IndentedBlock):
+        raise CannotCarry(f"def {func.name.value} has no indented body")
+    return list(func.body.body)
+
+
+def _docstring_count(body: Sequence[cst.BaseStatement]) -> int:
+    first = body[0] if body else None
+    if isinstance(first, cst.SimpleStatementLine) and len(first.body) == 1:
+        expr = first.body[0]
+        if isinstance(expr, cst.Expr) and isinstance(expr.value, (cst.SimpleString, cst.ConcatenatedString)):
+            return 1
+    return 0
+
+
+def with_body(func: cst.FunctionDef, body: Sequence[cst.BaseStatement]) -> cst.FunctionDef:
+    if not isinstance(func.body, cst.IndentedBlock):
+        raise CannotCarry(f"def {func.name.value} has no indented body")
+    return func.with_changes(body=func.body.with_changes(body=list(body)))
+
+
+def prepend(func: cst.FunctionDef, stmts: Sequence[cst.BaseStatement]) -> cst.FunctionDef:
+    """`stmts` at the start of the function's body (after its docstring)."""
+    body = body_statements(func)
+    at = _docstring_count(body)
+    return with_body(func, [*body[:at], *stmts, *body[at:]])
+
+
+def add_after_imports(source: str, code: str, comment: str | None = None) -> str:
+    """`code` (module-level definitions) placed after the module's last top-level import."""
+    module = parse(source)
+    body = list(module.body)
+    last = -1
+    for i, stmt in enumerate(body):
+        if (
+            isinstance(stmt, cst.SimpleStatementLine)
+            and any(isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body)
+        ) or (isinstance(stmt, cst.If) and _is_type_checking(stmt)):
+            last = i
+    new = statements(code)
+    if not new:
+        return source
+    first = new[0]
+    lines = [cst.EmptyLine(), cst.EmptyLine()]
+    if comment is not None:
+        lines.append(comment_line(comment))
+    if isinstance(first, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+        new[0] = first.with_changes(leading_lines=lines)
+    return module.with_changes(body=[*body[: last + 1], *new, *body[last + 1 :]]).code
+
+
+def _is_type_checking(stmt: cst.If) -> bool:
+    test = stmt.test
+    name = test.attr.value if isinstance(test, cst.Attribute) else getattr(test, "value", None)
+    return name == "TYPE_CHECKING"
+
+
+def names_called(func: cst.FunctionDef) -> set[str]:
+    """Dotted names called anywhere in the function (`self.x.y(...)` gives "self.x.y")."""
+    found: set[str] = set()
+
+    class _Calls(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            name = dotted(node.func)
+            if name:
+                found.add(name)
+
+    func.visit(_Calls())
+    return found
+
+
+def dotted(node: cst.BaseExpression) -> str:
+    """ "a.b.c" for a Name/Attribute chain; "" for anything else."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        inner = dotted(node.value)
+        return f"{inner}.{node.attr.value}" if inner else ""
+    return ""
+
+
+__all__ = [
+    "add_after_imports",
+    "body_statements",
+    "change_function",
+    "comment_line",
+    "dotted",
+    "find_function",
+    "function_code",
+    "names_called",
+    "parse",
+    "prepend",
+    "statements",
+    "with_body",
+    "with_comment",
+]
