@@ -4,11 +4,11 @@
 
 For each package under packages/: the top-level modules its src/ imports (every `import` and
 `from ... import` statement, function-level ones included; relative imports are the package's
-own) are compared with its `[project] dependencies` and its `backport` extra. The standard library and what a vLLM
-environment provides (HOST_PROVIDED: vLLM itself and the packages vLLM declares) are not
-declared by a fix: a fix never runs outside vLLM, and pinning vLLM's own dependencies would only
-fight vLLM's pins. Anything else imported must be declared, and anything declared must be
-imported (the meta-package excepted: it exists to declare).
+own) are compared with its `[project] dependencies` and its `backport` extra. The standard
+library and what a vLLM environment provides (HOST_PROVIDED: vLLM itself and the packages vLLM
+declares) are not declared by a fix: a fix never runs outside vLLM, and pinning vLLM's own
+dependencies would only fight vLLM's pins. Anything else imported must be declared, and
+anything declared must be imported (the meta-package excepted: it exists to declare).
 """
 
 from __future__ import annotations

@@ -131,12 +131,12 @@ def test_unknown_counting_request_finished_is_refused(monkeypatch: pytest.Monkey
 
 
 def test_broken_owner_recording_makes_verify_fail(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The rule patch.py uses, broken at the reference it holds: finished requests are recorded
+    # The rule the fix uses, broken at the reference state.py holds: finished requests are recorded
     # with no owner. Whatever records them on this release (request_finished or
     # _aggregate_request_finished), the probe must see the bug and the ladder revert.
     _, names = era()
-    from vllm_fix_completion_ownership import patch as patch_module
-    from vllm_fix_completion_ownership.rule import SchedulerLedger
+    from vllm_fix_completion_ownership import state as state_module
+    from vllm_fix_completion_ownership.ledger import SchedulerLedger
 
     class Broken(SchedulerLedger):
         def record_finished(self, req_id: str, owners: int) -> tuple[int, ...]:
@@ -145,7 +145,7 @@ def test_broken_owner_recording_makes_verify_fail(monkeypatch: pytest.MonkeyPatc
     cls = multi_connector_class()
     originals = {n: cls.__dict__[n] for n in names}
     with monkeypatch.context() as m:
-        m.setattr(patch_module, "SchedulerLedger", Broken)
+        m.setattr(state_module, "SchedulerLedger", Broken)
         decision = ladder()
     assert decision.answer is Answer.FAILED_TO_FIX, decision.reason
     assert "swallowed-completion=affected" in decision.reason

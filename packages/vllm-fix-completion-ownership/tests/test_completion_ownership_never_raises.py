@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_fix_completion_ownership import FIX
-from vllm_fix_completion_ownership.patch import PER_STEP_KNOWN, recognize
+from vllm_fix_completion_ownership.patch import recognize
 from vllm_fix_completion_ownership.probe import child_class, multi_connector, probe_child, request
+from vllm_fix_completion_ownership.shapes import PER_STEP_KNOWN
 from vllm_fix_core import PatchSet
 
 CHILDREN = 2

@@ -5,15 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_fix_completion_ownership.rule import (
-    EARLY_WINDOW,
-    RETIRED_WINDOW,
-    SchedulerLedger,
-    WireError,
-    WorkerGate,
-    decode_update,
-    encode_update,
-)
+from vllm_fix_completion_ownership.gate import EARLY_WINDOW, RETIRED_WINDOW, WorkerGate
+from vllm_fix_completion_ownership.ledger import SchedulerLedger
+from vllm_fix_completion_ownership.rule import WireError, decode_update, encode_update
 
 
 def update(owners=None, forced=None, loaders=None):

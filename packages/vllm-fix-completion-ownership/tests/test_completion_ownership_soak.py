@@ -10,8 +10,8 @@ import pytest
 from packaging.version import Version
 
 from vllm_fix_completion_ownership import FIX
-from vllm_fix_completion_ownership.patch import GATE_ATTR, LEDGER_ATTR
-from vllm_fix_completion_ownership.rule import RETIRED_WINDOW
+from vllm_fix_completion_ownership.gate import RETIRED_WINDOW
+from vllm_fix_completion_ownership.state import GATE_ATTR, LEDGER_ATTR
 from vllm_fix_testing import applied, vllm_version
 from vllm_fix_testing.prefill_instance import Figures, World, soak
 from vllm_fix_testing.stress import scaled

@@ -16,16 +16,13 @@ import pytest
 from packaging.version import Version
 
 from vllm_fix_completion_ownership import FIX
-from vllm_fix_completion_ownership.patch import (
-    GATE_ATTR,
-    PER_STEP_KNOWN,
-    REPLACED_KNOWN,
-    TRANSFER_RESULTS,
-    gate_of,
-    recognize,
-)
+from vllm_fix_completion_ownership.gate import WorkerGate
+from vllm_fix_completion_ownership.ledger import SchedulerLedger
+from vllm_fix_completion_ownership.patch import recognize
 from vllm_fix_completion_ownership.probe import child_class, multi_connector, probe_child, request
-from vllm_fix_completion_ownership.rule import META_ATTR, SchedulerLedger, WorkerGate
+from vllm_fix_completion_ownership.rule import META_ATTR
+from vllm_fix_completion_ownership.shapes import PER_STEP_KNOWN, REPLACED_KNOWN, TRANSFER_RESULTS
+from vllm_fix_completion_ownership.state import GATE_ATTR, gate_of
 from vllm_fix_core import Answer, UnknownShape, layers_of
 from vllm_fix_testing import assert_hostile_wrapper_fails, vllm_version
 from vllm_fix_testing.hostile import assert_every_target_observed
@@ -138,8 +135,8 @@ def test_every_target_is_observed_in_its_wrapped_variant(monkeypatch: pytest.Mon
 
 # ------------------------------------------------------------------------------ oracle vs. rule
 # The probe's expected answers are written from the rule's table (README), never computed with
-# rule.py. Each broken rule below is installed at the reference patch.py holds; the probe must
-# then say "failed to fix", and the ladder reverts.
+# ledger.py / gate.py. Each broken rule below is installed at the reference state.py holds; the
+# probe must then say "failed to fix", and the ladder reverts.
 def _gate_accepting_any_recv() -> type:
     class Broken(WorkerGate):
         def accepted_recv(self, child: int, req_ids: Any) -> Any:
@@ -187,14 +184,14 @@ def _ledger_shipping_no_loaders() -> type:
     ids=["recv-from-any-child", "any-report-completes", "no-partial-tail-owner", "no-loader-shipped"],
 )
 def test_broken_rule_makes_verify_fail(monkeypatch: pytest.MonkeyPatch, name: str, broken: Any) -> None:
-    from vllm_fix_completion_ownership import patch as patch_module
+    from vllm_fix_completion_ownership import state as state_module
     from vllm_fix_core import Settings, evaluate
 
     require_affected()
     cls = mc_module().MultiConnector
     originals = {n: cls.__dict__[n] for n in TARGET_NAMES}
     with monkeypatch.context() as m:
-        m.setattr(patch_module, name, broken())
+        m.setattr(state_module, name, broken())
         settings = Settings(disabled=frozenset(), strict=False)
         decision = evaluate(FIX, settings, apply=True, honour_disable=False)
     assert decision.answer is Answer.FAILED_TO_FIX, decision.reason

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from vllm_fix_core import Answer, PatchSet, Settings, evaluate
-from vllm_fix_handshake_port import FIX, patch
+from vllm_fix_handshake_port import FIX, listener, offset, patch, senders
 from vllm_fix_testing import applied, assert_every_target_observed
 from vllm_fix_testing.hostile import target_objects
 
@@ -99,7 +99,7 @@ def _misses(
 @contextmanager
 def _call_through_alloc_wrapper(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The fix's update_state_after_alloc wrapper edited into a plain call-through (all else as is)."""
-    real = patch._context_wrapper
+    real = senders.context_wrapper
 
     def context_wrapper(func: Any, resolver: Any) -> Any:
         if getattr(func, "__name__", "") != "update_state_after_alloc":
@@ -111,7 +111,7 @@ def _call_through_alloc_wrapper(monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
         return call_through
 
     with monkeypatch.context() as m:
-        m.setattr(patch, "_context_wrapper", context_wrapper)
+        m.setattr(senders, "context_wrapper", context_wrapper)
         yield
 
 
@@ -192,23 +192,24 @@ class _IgnoredSize:
         return None
 
 
-# The rule functions patch.py calls, each broken at the reference patch.py holds.
-BROKEN_RULES: dict[str, Any] = {
-    "current_listening_tp_size": lambda: None,  # senders never see the peer's TP size
-    "listening_tp_size": _IgnoredSize,
-    "check_layout": lambda *args, **kwargs: None,  # never rejects overlapping blocks
+# The rule functions the fix calls, each broken at the reference the fix's module holds.
+BROKEN_RULES: dict[str, tuple[Any, Any]] = {
+    "current_listening_tp_size": (offset, lambda: None),  # senders never see the peer's TP size
+    "listening_tp_size": (senders, _IgnoredSize),
+    "check_layout": (listener, lambda *args, **kwargs: None),  # never rejects overlapping blocks
 }
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN_RULES))
 def test_a_broken_rule_fails_verification(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """The probe's expected answers come from vLLM's listener sites and the spec, not from
-    rule.py: break what patch.py calls and the ladder says "failed to fix"."""
+    rule.py: break what the fix calls and the ladder says "failed to fix"."""
     if not FIX.run_probe().affected:
         pytest.skip("this vLLM is not affected: the fix does not apply")
     before = target_objects(FIX)
     with monkeypatch.context() as m:
-        m.setattr(patch, name, BROKEN_RULES[name])
+        module, broken = BROKEN_RULES[name]
+        m.setattr(module, name, broken)
         decision = evaluate(FIX, LADDER, apply=True, honour_disable=False)
     assert decision.answer is Answer.FAILED_TO_FIX, decision.reason
     after = target_objects(FIX)

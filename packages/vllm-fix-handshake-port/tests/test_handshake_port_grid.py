@@ -18,12 +18,13 @@ import pytest
 from vllm_fix_core import PatchSet, original_of
 from vllm_fix_core.patching import layers_of
 from vllm_fix_handshake_port import FIX
-from vllm_fix_handshake_port.patch import KNOWN_SITES, callers, recognize
+from vllm_fix_handshake_port.patch import recognize
 from vllm_fix_handshake_port.rule import listening_tp_size
+from vllm_fix_handshake_port.sites import KNOWN_SITES, callers
 from vllm_fix_testing import applied, assert_hostile_wrapper_fails, vllm_version
 
 GRIDS = [(2, 2), (2, 4), (3, 2), (4, 8), (1, 8), (4, 1)]
-# The caller inventory each release line has (see the README, "Supported releases").
+# The caller inventory each release line has (see the README, "Releases").
 SHAPE = {"0.31.0": "vllm-0.31-0.32", "0.32.0": "vllm-0.31-0.32", "0.33.0": "vllm-0.33"}
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from vllm_fix_core import Answer, Settings, evaluate
 from vllm_fix_handshake_port import FIX
-from vllm_fix_handshake_port.patch import callers
 from vllm_fix_handshake_port.probe import HANDSHAKE, HOST, NOTIFY, _router_request_id
+from vllm_fix_handshake_port.sites import callers
 from vllm_fix_testing.hostile import assert_every_target_observed, patched_targets
 
 LADDER = Settings(disabled=frozenset(), strict=False)

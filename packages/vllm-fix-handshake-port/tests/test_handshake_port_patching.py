@@ -13,15 +13,16 @@ from vllm_fix_core import Answer, PatchSet, UnknownShape, runtime
 from vllm_fix_core.ladder import evaluate
 from vllm_fix_core.patching import layers_of
 from vllm_fix_core.settings import Settings
-from vllm_fix_handshake_port import FIX, patch
-from vllm_fix_handshake_port.patch import classify, recognize
+from vllm_fix_handshake_port import FIX, sites
+from vllm_fix_handshake_port.patch import recognize
 from vllm_fix_handshake_port.rule import PortLayoutError
+from vllm_fix_handshake_port.sites import classify
 from vllm_fix_testing import STRICT, applied
 
 
 def _targets(mods: SimpleNamespace) -> list[tuple[Any, str]]:
     sched, writer = mods.connector.MoRIIOConnectorScheduler, mods.engine.MoRIIOWriter
-    writer_attr = next(q.split(".")[1] for m, q in patch.callers() if q.startswith("MoRIIOWriter."))
+    writer_attr = next(q.split(".")[1] for m, q in sites.callers() if q.startswith("MoRIIOWriter."))
     return [
         (mods.common, "get_port_offset"),
         (mods.connector, "get_port_offset"),
@@ -214,7 +215,7 @@ def test_refuses_an_unknown_caller_without_tp_size(
     func = scope["_dial_peer"]
     func.__module__ = mods.connector.__name__
     monkeypatch.setattr(mods.connector.MoRIIOConnectorWorker, "_dial_peer", func, raising=False)
-    monkeypatch.setattr(patch, "names_tp_size_everywhere", lambda f: False)  # its source is not on disk
+    monkeypatch.setattr(sites, "names_tp_size_everywhere", lambda f: False)  # its source is not on disk
     with pytest.raises(UnknownShape, match="_dial_peer"):
         recognize()
     decision = evaluate(FIX, Settings(disabled=frozenset(), strict=False), apply=True)

@@ -2,9 +2,10 @@
 (vLLM 0.15 - 0.21 and forks built from them), on the real installed vLLM.
 
 These run only where the installed runner has that shape (the package sessions use 0.32.0 and
-0.33.0, where they skip; run them ad hoc on an older base, e.g. 0.20.2). The step is the probe's:
-vLLM's real ``ActiveKVConnector.post_forward`` called as execute_model calls it, then vLLM's real
-``GPUModelRunner.sample_tokens`` and ``AsyncOutput.get_output``.
+0.33.0, where they skip; run them ad hoc on an older base, e.g. 0.20.2). The step is the probe's
+(its stand-ins: ``stand_ins.py``): vLLM's real ``ActiveKVConnector.post_forward`` called as
+execute_model calls it, then vLLM's real ``GPUModelRunner.sample_tokens`` and
+``AsyncOutput.get_output``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_fix_core import Answer, PatchSet, Settings, evaluate
-from vllm_fix_spec_kv_readiness import FIX, patch, probe
+from vllm_fix_spec_kv_readiness import FIX, patch, probe, stand_ins
 from vllm_fix_testing import assert_every_target_observed
 
 LADDER = Settings(disabled=frozenset(), strict=False)
@@ -66,38 +67,38 @@ def test_ladder_fixes_and_every_target_is_observed() -> None:
 def test_negative_control_unpatched_output_misses_the_draft_save() -> None:
     outcome = probe.run_step(speculative=True, read_publisher=True)
     assert set(outcome.kv_output.finished_sending or ()) == {"r-target"}
-    assert outcome.step.at(probe.DRAIN) < outcome.step.at(probe.DRAFT_DONE)
+    assert outcome.step.at(stand_ins.DRAIN) < outcome.step.at(stand_ins.DRAFT_DONE)
 
 
 def test_patched_output_covers_target_and_draft_saves(applied: PatchSet) -> None:
     outcome = probe.run_step(speculative=True, read_publisher=True)
     assert set(outcome.kv_output.finished_sending or ()) == {"r-target", "r-draft"}
-    log = outcome.step.log
-    assert log.count(probe.DRAIN) == 1
-    assert log.index(probe.DRAFT_DONE) < log.index("wait_for_save") < log.index(probe.DRAIN)
-    assert log.index(probe.DRAIN) < log.index("clear_connector_metadata")
+    log = outcome.step.entries
+    assert log.count(stand_ins.DRAIN) == 1
+    assert log.index(stand_ins.DRAFT_DONE) < log.index("wait_for_save") < log.index(stand_ins.DRAIN)
+    assert log.index(stand_ins.DRAIN) < log.index("clear_connector_metadata")
     assert any(
-        e.name == "step-done" and e.recorded_at > log.index(probe.DRAFT_DONE) for e in outcome.step.synced
+        e.name == "step-done" and e.recorded_at > log.index(stand_ins.DRAFT_DONE) for e in outcome.step.synced
     )
 
 
 def test_non_speculative_step_and_no_forward_call_are_not_deferred(applied: PatchSet) -> None:
     plain = probe.run_step(speculative=False, read_publisher=True)
-    assert plain.step.count(probe.DRAIN) == 1
-    assert plain.step.at(probe.DRAIN) < plain.step.at("record:copy")
-    step = probe.Step()
-    active = probe.active_connector(probe.Connector(step, read_publisher=True), speculative=True)
+    assert plain.step.count(stand_ins.DRAIN) == 1
+    assert plain.step.at(stand_ins.DRAIN) < plain.step.at("record:copy")
+    step = stand_ins.Step()
+    active = stand_ins.active_connector(stand_ins.Connector(step, read_publisher=True), speculative=True)
     out = active.post_forward(SimpleNamespace(finished_req_ids=set()), wait_for_save=False)
-    assert step.log == [probe.DRAIN, "invalid_blocks_collected", "clear_connector_metadata"]
+    assert step.entries == [stand_ins.DRAIN, "invalid_blocks_collected", "clear_connector_metadata"]
     assert out is not None and not patch._PENDING
 
 
 def test_pipeline_parallel_keeps_vllms_order(applied: PatchSet) -> None:
-    step = probe.Step()
-    active = probe.active_connector(probe.Connector(step, read_publisher=True), speculative=True)
+    step = stand_ins.Step()
+    active = stand_ins.active_connector(stand_ins.Connector(step, read_publisher=True), speculative=True)
     active.vllm_config.parallel_config = SimpleNamespace(pipeline_parallel_size=2)
     active.post_forward(SimpleNamespace(finished_req_ids=set()))
-    assert step.count(probe.DRAIN) == 1 and not patch._PENDING
+    assert step.count(stand_ins.DRAIN) == 1 and not patch._PENDING
 
 
 class _DraftFailed(Exception):
@@ -106,10 +107,10 @@ class _DraftFailed(Exception):
 
 def _failing_drafter(monkeypatch: pytest.MonkeyPatch) -> None:
     def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
-        self.connector.save_kv_layer(probe.DRAFT_LAYER, None, None)
+        self.connector.save_kv_layer(stand_ins.DRAFT_LAYER, None, None)
         raise _DraftFailed
 
-    monkeypatch.setattr(probe.Drafter, "propose", propose)
+    monkeypatch.setattr(stand_ins.Drafter, "propose", propose)
 
 
 def test_failing_draft_still_collects_once(applied: PatchSet, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,8 +148,8 @@ def test_post_forward_raises_patched_exactly_where_vllm_does(
     args, kwargs = calls[form]
 
     def run() -> tuple[str, Any]:
-        step = probe.Step()
-        active = probe.active_connector(probe.Connector(step, read_publisher=True), speculative)
+        step = stand_ins.Step()
+        active = stand_ins.active_connector(stand_ins.Connector(step, read_publisher=True), speculative)
         active.vllm_config.parallel_config = SimpleNamespace(pipeline_parallel_size=pipeline)
         active._disabled = disabled
         try:

@@ -1,6 +1,6 @@
 """The 0.15-0.31 shape (pre_forward gets no input batch), on the installed vLLM's own connector.
 
-The real runners of that era are proved on their own releases (README "Supported releases");
+The real runners of that era are proved on their own releases (README "Releases");
 here a runner of that shape is written as a drifted-shape fixture (as in the patching tests) in
 front of the installed ActiveKVConnector, forward context and recording connector, to pin down
 the frame recipe: the step is read from the FULL branch's call only, never elsewhere.
@@ -18,13 +18,13 @@ import pytest
 from vllm_fix_core import PatchSet
 from vllm_fix_sync_load_context import patch as fix_patch
 from vllm_fix_sync_load_context import shapes
-from vllm_fix_sync_load_context.probe import (
+from vllm_fix_sync_load_context.probe import probe_config
+from vllm_fix_sync_load_context.stand_ins import (
     PADDED_TO,
+    Graphs,
     RecordingLoader,
     Seen,
-    _Graphs,
     active_connector,
-    probe_config,
     step_batch,
     step_output,
 )
@@ -88,7 +88,7 @@ def _run(fn: Any, mode_name: str | None, *, sync: bool = True) -> tuple[Seen, An
     batch = step_batch()
     attn = {"model.layers.0.self_attn.attn": SimpleNamespace(num_actual_tokens=batch.num_tokens)}
     mode = None if mode_name is None else getattr(CUDAGraphMode, mode_name)
-    graphs = _Graphs(mode or CUDAGraphMode.NONE, seen, torch.zeros(batch.num_tokens, 4))
+    graphs = Graphs(mode or CUDAGraphMode.NONE, seen, torch.zeros(batch.num_tokens, 4))
     runner = SimpleNamespace(
         vllm_config=config,
         kv_connector=active_connector(config, RecordingLoader(seen)),
@@ -136,7 +136,7 @@ def test_full_step_reads_the_step_from_the_runner_frame(old_shape: Any) -> None:
             PADDED_TO,
         )
         assert load["is_padding"] is batch.is_padding
-        assert seen.events == ["start_load_kv", "replay"] and seen.context_at_replay == [False]
+        assert seen.events == ["start_load_kv", "replay"] and seen.context_at_run == [False]
         # The other branch keeps vLLM's own context; a call from elsewhere in the runner (no
         # forward) is not the FULL call and keeps vLLM's fallback.
         pw, _, pw_attn = _run(old_shape, "PIECEWISE")

@@ -67,7 +67,7 @@ def _memo_facts(path: Path) -> Any:
 
 def scenario(name: str) -> dict[str, Any]:
     from vllm_fix_core import Settings, evaluate
-    from vllm_fix_sync_load_zeroing import FIX, memo
+    from vllm_fix_sync_load_zeroing import FIX, memo_key
     from vllm_fix_sync_load_zeroing.probe import probe
 
     capture = Capture()
@@ -84,7 +84,7 @@ def scenario(name: str) -> dict[str, Any]:
     if name.startswith("worker-"):
         importlib.import_module(WORKER_UTILS)  # what a worker has loaded when it imports MoRIIO
     result["worker_utils_at_decision"] = WORKER_UTILS in sys.modules
-    path = memo.memo_path()
+    path = memo_key.memo_path()
     result["memo_path"] = str(path)
     if name == "corrupt-memo":
         path.write_bytes(b'{"stamp": {"schema": 1, trunc')

@@ -23,9 +23,10 @@ import pytest
 from packaging.version import Version
 
 from vllm_fix_core import Answer
-from vllm_fix_sync_load_zeroing import memo
+from vllm_fix_sync_load_zeroing import memo, memo_file, memo_key
 from vllm_fix_sync_load_zeroing.coverage import read_rewrites_zeroed_bytes
-from vllm_fix_sync_load_zeroing.memo import CoverageFacts, compute_facts, coverage_facts
+from vllm_fix_sync_load_zeroing.facts import WORKER_UTILS, CoverageFacts, compute_facts
+from vllm_fix_sync_load_zeroing.memo import coverage_facts
 from vllm_fix_sync_load_zeroing.oracle import hybrid_layouts
 from vllm_fix_sync_load_zeroing.probe import attention_spec, probe
 from vllm_fix_testing import vllm_version
@@ -89,7 +90,7 @@ def live_facts() -> CoverageFacts:
 
 
 def live_probe_checks() -> list[list[Any]]:
-    importlib.import_module(memo.WORKER_UTILS)  # loaded: the probe computes its facts live
+    importlib.import_module(WORKER_UTILS)  # loaded: the probe computes its facts live
     return [[c.name, c.affected, c.guard] for c in probe().checks]
 
 
@@ -105,9 +106,9 @@ def test_cold_decision_writes_the_memo(runs: dict[str, dict[str, Any]], _module_
     assert path.parent == _module_cache_root / "vllm-fixes" / "sync-load-zeroing"
     assert [line for line in r["lines"] if "coverage memo" in line[1]] == []  # a plain miss is quiet
     data = json.loads(path.read_bytes())
-    assert data["stamp"] == memo.current_stamp()
+    assert data["stamp"] == memo_key.current_stamp()
     recorded = {entry[0] for entry in data["files"]}
-    assert importlib.import_module(memo.WORKER_UTILS).__file__ in recorded
+    assert importlib.import_module(WORKER_UTILS).__file__ in recorded
     assert sys.modules["vllm.v1.kv_cache_interface"].__file__ in recorded
 
 
@@ -124,10 +125,10 @@ def test_memoized_facts_are_the_live_facts(runs: dict[str, dict[str, Any]]) -> N
 
 def test_memo_round_trips_in_process(cache_root: Path) -> None:
     facts = coverage_facts(attention_spec, use_memo=True)
-    path = memo.memo_path()
+    path = memo_key.memo_path()
     assert path.is_relative_to(cache_root)
     assert facts == live_facts()
-    assert memo.read_memo(path, memo.current_stamp()) == facts
+    assert memo_file.read_memo(path, memo_key.current_stamp()) == facts
 
 
 # ---- (2) a fresh process with the memo: same answers, no vllm.v1.worker.utils ----------------
@@ -157,14 +158,14 @@ def test_decision_on_the_memo_reaches_the_same_rung(runs: dict[str, dict[str, An
 def recorded_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A temporary copy of a vLLM source file, recorded in the memo next to vLLM's own files."""
     copy = tmp_path / "utils.py"
-    shutil.copy2(importlib.import_module(memo.WORKER_UTILS).__file__ or "", copy)
-    real = memo.vllm_files
+    shutil.copy2(importlib.import_module(WORKER_UTILS).__file__ or "", copy)
+    real = memo_key.vllm_files
 
     def with_copy() -> list[tuple[str, int, int]]:
         st = copy.stat()
         return [*real(), (str(copy), st.st_size, st.st_mtime_ns)]
 
-    monkeypatch.setattr(memo, "vllm_files", with_copy)
+    monkeypatch.setattr(memo_key, "vllm_files", with_copy)
     return copy
 
 
@@ -183,7 +184,7 @@ def computed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _valid() -> bool:
-    return memo.read_memo(memo.memo_path(), memo.current_stamp()) is not None
+    return memo_file.read_memo(memo_key.memo_path(), memo_key.current_stamp()) is not None
 
 
 @pytest.mark.parametrize("change", ["mtime", "size", "removed"])
@@ -210,7 +211,7 @@ def test_changed_recorded_file_invalidates(recorded_copy: Path, computed: list[i
 
 def test_every_loaded_vllm_module_file_is_recorded(cache_root: Path) -> None:
     coverage_facts(attention_spec, use_memo=True)
-    recorded = {entry[0] for entry in json.loads(memo.memo_path().read_bytes())["files"]}
+    recorded = {entry[0] for entry in json.loads(memo_key.memo_path().read_bytes())["files"]}
     loaded = {
         module.__file__
         for name, module in list(sys.modules.items())
@@ -249,7 +250,7 @@ def test_memo_of_another_vllm_version_in_a_fresh_process(runs: dict[str, dict[st
     assert r["memo_facts"] == runs["cold-decide"]["memo_facts"]
     assert (
         json.loads(Path(r["memo_path"]).read_bytes())["stamp"]["vllm_version"]
-        == memo.current_stamp()["vllm_version"]
+        == memo_key.current_stamp()["vllm_version"]
     )
     assert [line for line in r["lines"] if "coverage memo" in line[1]] == []  # stale is not an error
 
@@ -270,7 +271,7 @@ def test_unwritable_cache_root_in_a_fresh_process(runs: dict[str, dict[str, Any]
 )
 def test_corrupt_memo_is_recomputed(garbage: bytes | None, memo_lines: list[tuple[str, str]]) -> None:
     coverage_facts(attention_spec, use_memo=True)
-    path = memo.memo_path()
+    path = memo_key.memo_path()
     if garbage is None:  # valid stamp and files, facts of another shape
         data = json.loads(path.read_bytes())
         data["facts"]["covered"] = {"LBHNC": "yes"}
@@ -321,21 +322,21 @@ def test_memo_for_another_install_is_ignored(
     key: str, value: Any, computed: list[int], memo_lines: list[tuple[str, str]]
 ) -> None:
     coverage_facts(attention_spec, use_memo=True)
-    path = memo.memo_path()
+    path = memo_key.memo_path()
     data = json.loads(path.read_bytes())
     data["stamp"][key] = value
     data["facts"] = CoverageFacts(zeroer=False).to_json()  # would make the probe "not applicable"
     path.write_text(json.dumps(data))
     assert coverage_facts(attention_spec, use_memo=True) == live_facts()
     assert computed == [1, 1] and memo_lines == []
-    assert json.loads(path.read_bytes())["stamp"] == memo.current_stamp()
+    assert json.loads(path.read_bytes())["stamp"] == memo_key.current_stamp()
 
 
 def test_no_cache_root_at_all(monkeypatch: pytest.MonkeyPatch, memo_lines: list[tuple[str, str]]) -> None:
     def broken() -> Path:
         raise RuntimeError("no cache root")
 
-    monkeypatch.setattr(memo, "memo_path", broken)
+    monkeypatch.setattr(memo_key, "memo_path", broken)
     assert coverage_facts(attention_spec, use_memo=True) == live_facts()
     assert len(memo_lines) == 1 and "no memo key" in memo_lines[0][1]
 
@@ -351,8 +352,8 @@ def test_worker_decision_writes_the_memo(runs: dict[str, dict[str, Any]], _modul
     assert r["memo_facts"] == live_facts().to_json()  # exactly the live facts
     assert memo_lines_of(r) == []  # a plain miss is quiet
     data = json.loads(Path(r["memo_path"]).read_bytes())
-    assert data["stamp"] == memo.current_stamp()
-    assert importlib.import_module(memo.WORKER_UTILS).__file__ in {entry[0] for entry in data["files"]}
+    assert data["stamp"] == memo_key.current_stamp()
+    assert importlib.import_module(WORKER_UTILS).__file__ in {entry[0] for entry in data["files"]}
 
 
 def test_engine_core_after_its_workers_reads_their_memo(runs: dict[str, dict[str, Any]]) -> None:
@@ -396,16 +397,16 @@ def test_loaded_worker_utils_means_live_facts_and_a_refreshed_memo(
     objects as loaded, and writes what it computed into the memo."""
     assert live_probe_checks()
     assert computed == [1]  # live, not from the memo
-    path = memo.memo_path()
+    path = memo_key.memo_path()
     assert path.is_relative_to(cache_root)
-    assert memo.read_memo(path, memo.current_stamp()) == live_facts()
+    assert memo_file.read_memo(path, memo_key.current_stamp()) == live_facts()
     assert memo_lines == []
 
 
 def test_refresh_writes_only_when_needed(fresh_process: None, memo_lines: list[tuple[str, str]]) -> None:
     facts = live_facts()
     assert memo.refresh_memo(facts) is True  # missing: written
-    path = memo.memo_path()
+    path = memo_key.memo_path()
     before = path.stat()
     memo._refreshed.clear()
     assert memo.refresh_memo(facts) is False  # valid, same facts: read only
@@ -415,7 +416,7 @@ def test_refresh_writes_only_when_needed(fresh_process: None, memo_lines: list[t
     data["stamp"]["torch_version"] = "0.0.1"  # stale
     path.write_text(json.dumps(data))
     assert memo.refresh_memo(facts) is True
-    assert memo.read_memo(path, memo.current_stamp()) == facts
+    assert memo_file.read_memo(path, memo_key.current_stamp()) == facts
     assert memo_lines == []  # missing and stale are quiet
 
 
@@ -426,15 +427,15 @@ def test_refresh_is_tried_once_per_process(
     at most per process, facts and memo."""
     facts = live_facts()
     reads: list[int] = []
-    real = memo.read_memo
+    real = memo_file.read_memo
 
     def counting(path: Path, stamp: Any) -> CoverageFacts | None:
         reads.append(1)
         return real(path, stamp)
 
-    monkeypatch.setattr(memo, "read_memo", counting)
-    memo.memo_path().parent.mkdir(parents=True)
-    memo.memo_path().write_bytes(b"not json")
+    monkeypatch.setattr(memo_file, "read_memo", counting)
+    memo_key.memo_path().parent.mkdir(parents=True)
+    memo_key.memo_path().write_bytes(b"not json")
     assert memo.refresh_memo(facts) is True
     assert memo.refresh_memo(facts) is False
     assert reads == [1] and len(memo_lines) == 1
@@ -462,8 +463,8 @@ def test_reprobe_after_apply_adds_nothing(
     first = coverage_facts(attention_spec, use_memo=True)  # as with vllm.v1.worker.utils not loaded
     lines = list(memo_lines)
     assert len(lines) == (1 if memo_state == "unwritable" else 0), lines
-    monkeypatch.setattr(memo, "read_memo", None)  # a read would raise: refresh_memo logs it
-    monkeypatch.setattr(memo, "write_memo", None)
+    monkeypatch.setattr(memo_file, "read_memo", None)  # a read would raise: refresh_memo logs it
+    monkeypatch.setattr(memo_file, "write_memo", None)
     assert coverage_facts(attention_spec) == first  # loaded: live, then refresh
     assert memo_lines == lines
 
@@ -477,23 +478,23 @@ def test_refresh_never_raises(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     facts = live_facts()
-    path = memo.memo_path()
+    path = memo_key.memo_path()
     if kind == "unwritable":
         (cache_root / "vllm-fixes").write_text("a file where the memo's directory would be\n")
     else:
-        memo.write_memo(path, memo.current_stamp(), facts)
+        memo_file.write_memo(path, memo_key.current_stamp(), facts)
     if kind == "corrupt":
         path.write_bytes(b'{"stamp": {"schema": 1, trunc')
     elif kind == "other-facts":
-        memo.write_memo(path, memo.current_stamp(), CoverageFacts(zeroer=False))
+        memo_file.write_memo(path, memo_key.current_stamp(), CoverageFacts(zeroer=False))
     elif kind == "raising":
         path.unlink()
 
         def broken(*args: Any) -> None:
             raise RuntimeError("disk on fire")
 
-        monkeypatch.setattr(memo, "write_memo", broken)
-    importlib.import_module(memo.WORKER_UTILS)
+        monkeypatch.setattr(memo_file, "write_memo", broken)
+    importlib.import_module(WORKER_UTILS)
     assert coverage_facts(attention_spec) == facts  # the probe's path: live, then refresh
     assert len(memo_lines) == 1 and memo_lines[0][0] == "DEBUG", memo_lines
     expected = {
@@ -504,15 +505,15 @@ def test_refresh_never_raises(
     }[kind]
     assert expected[0] in memo_lines[0][1] and memo_lines[0][1].endswith(expected[1])
     if kind in ("corrupt", "other-facts"):
-        assert memo.read_memo(path, memo.current_stamp()) == facts
+        assert memo_file.read_memo(path, memo_key.current_stamp()) == facts
 
 
 def test_concurrent_writers_never_break_a_reader(cache_root: Path) -> None:
     """Several workers refreshing at once while an engine core reads: every read sees a whole,
     valid memo, never a temporary file or a partial one; no temporary file stays."""
     facts = live_facts()
-    path, stamp = memo.memo_path(), memo.current_stamp()
-    memo.write_memo(path, stamp, facts)  # the writers replace it while the reader reads
+    path, stamp = memo_key.memo_path(), memo_key.current_stamp()
+    memo_file.write_memo(path, stamp, facts)  # the writers replace it while the reader reads
     stop = threading.Event()
     failures: list[BaseException] = []
 
@@ -521,7 +522,7 @@ def test_concurrent_writers_never_break_a_reader(cache_root: Path) -> None:
     def writer() -> None:
         try:
             while not stop.is_set():
-                memo.write_memo(path, stamp, facts)
+                memo_file.write_memo(path, stamp, facts)
                 writes.append(1)
         except BaseException as exc:
             failures.append(exc)
@@ -532,7 +533,7 @@ def test_concurrent_writers_never_break_a_reader(cache_root: Path) -> None:
     seen = []
     try:
         while len(seen) < 200:
-            seen.append(memo.read_memo(path, stamp))
+            seen.append(memo_file.read_memo(path, stamp))
     finally:
         stop.set()
         for thread in threads:

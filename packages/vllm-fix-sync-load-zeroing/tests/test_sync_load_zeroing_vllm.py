@@ -397,7 +397,7 @@ def _imports(module: str) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("module", ["probe", "oracle", "memo"])
+@pytest.mark.parametrize("module", ["probe", "oracle", "facts", "memo", "memo_key", "memo_file"])
 def test_probe_modules_import_nothing_of_the_fix(module: str) -> None:
     fix_code = {f"vllm_fix_sync_load_zeroing.{name}" for name in FIX_CODE}
     assert not _imports(module) & fix_code

@@ -12,8 +12,9 @@ from vllm_fix_core.declaration import (
     UnknownShape,
     Upstream,
     UpstreamStatus,
+    resolve_qualname,
 )
-from vllm_fix_core.fingerprint import ast_fingerprint, function_ast, parse_source
+from vllm_fix_core.fingerprint import ast_fingerprint, function_ast, parse_source, unwrap
 from vllm_fix_core.ladder import Answer, Decision, FixFailed, FixRefused, GuardAnswer, evaluate, summary_line
 from vllm_fix_core.log import get_logger
 from vllm_fix_core.patching import PatchConflict, PatchSet, layers_of, original_of
@@ -51,6 +52,8 @@ __all__ = [
     "layers_of",
     "original_of",
     "parse_source",
+    "resolve_qualname",
     "revert",
     "summary_line",
+    "unwrap",
 ]

@@ -13,13 +13,18 @@ import types
 from typing import Any
 
 
-def _unwrap(obj: Any) -> Any:
+def unwrap(obj: Any) -> Any:
+    """The innermost object under `obj`'s wrappers (``__wrapped__``, up to 16 deep), and the
+    function of a classmethod or staticmethod met on the way."""
     if isinstance(obj, (classmethod, staticmethod)):
         obj = obj.__func__
-    seen = 0
-    while hasattr(obj, "__wrapped__") and seen < 16:
-        obj = obj.__wrapped__
-        seen += 1
+    for _ in range(16):
+        inner = getattr(obj, "__wrapped__", None)
+        if inner is None:
+            break
+        obj = inner
+        if isinstance(obj, (classmethod, staticmethod)):
+            obj = obj.__func__
     return obj
 
 
@@ -126,7 +131,7 @@ _AST_CACHE: dict[int, tuple[types.CodeType, ast.FunctionDef | ast.AsyncFunctionD
 
 def function_ast(obj: Any) -> ast.FunctionDef | ast.AsyncFunctionDef:
     """The AST of a function's source, docstrings stripped (parsed once per code object)."""
-    func = _unwrap(obj)
+    func = unwrap(obj)
     code = getattr(func, "__code__", None)
     cached = _AST_CACHE.get(id(code)) if isinstance(code, types.CodeType) else None
     if cached is not None and cached[0] is code:

@@ -14,7 +14,8 @@ runs) for the ranks of a DP_local x TP = 2 x 2 engine, and reads the ports they 
   instance, as vLLM's own tests do;
 * WRITE notify sender: ``MoRIIOWriter._execute_write_task`` then ``_finalize_if_complete``
   (the port the completion goes to), on a real ``MoRIIOWriter`` with vLLM's own
-  ``WriteTask`` / ``RemoteAllocInfo``; the transport (``send_notify``) is a recorder;
+  ``WriteTask`` / ``RemoteAllocInfo``; the transport (``send_notify``) is a recorder
+  (``vllm_fix_core.moriio_probe``, as are the configs the probe builds);
 * handshake dialer: ``MoRIIOConnectorWorker._moriio_handshake`` for every prefill rank
   (the port it dials: the base it is given is an ``int`` that records the offset added to
   it and stops the dial there, before any socket is made);
@@ -53,11 +54,17 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 from vllm_fix_core import Check, ProbeReport
+from vllm_fix_core.moriio_probe import (
+    HOST,
+    WriterWorkerStandIn,
+    extra_config,
+    parallel_config,
+    vllm_config,
+)
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 DP_LOCAL, TP = 2, 2
 HANDSHAKE, NOTIFY = 16301, 26005
-HOST = "127.0.0.1"
 # The router's request id embeds both peers' MoRIIO addresses (vLLM's moriio_common:
 # "___prefill_addr_{zmq}___decode_addr_{zmq}_{32-hex uuid}", zmq "host:IP,handshake:P,notify:P");
 # 0.20+ schedulers read the peer's notify base from it. Both peers here publish the same bases.
@@ -149,24 +156,7 @@ def _tp_group(common: ModuleType, connector: ModuleType, rank: _Rank) -> Iterato
 
 
 def _vllm_config(dp_rank: int, notify: int = NOTIFY) -> Any:
-    from vllm.config import KVTransferConfig
-
-    extra = {
-        "handshake_port": str(HANDSHAKE),
-        "notify_port": str(notify),
-        "http_port": "8000",
-        "host_ip": HOST,  # resolve_host_ip reads it: no get_ip() socket
-        "proxy_ip": "",
-        "proxy_ping_port": "0",  # read unconditionally by releases before 0.28
-    }
-    return SimpleNamespace(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="MoRIIOConnector", kv_role="kv_producer", kv_connector_extra_config=extra
-        ),
-        parallel_config=SimpleNamespace(
-            data_parallel_rank=dp_rank, data_parallel_size_local=DP_LOCAL, data_parallel_size=DP_LOCAL
-        ),
-    )
+    return vllm_config(extra_config(HANDSHAKE, notify), parallel=parallel_config(dp_rank, DP_LOCAL))
 
 
 def _listener_ports(common: ModuleType, rank: _Rank) -> dict[tuple[int, int], int]:
@@ -288,44 +278,11 @@ def _dial_offset(connector: ModuleType, dp: int, tp: int) -> int | None:
     return None  # returned without dialing: not a dial this probe knows
 
 
-class _Transport:
-    """Answers what the writer asks of MoRIIOWrapper; records the notify it sends."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.done_req_ids: list[Any] = []
-        self.done_remote_allocate_req_dict: dict[str, Any] = {}
-        self.sent: list[int] = []
-
-    def send_notify(self, transfer_id: Any, remote_ip: Any, remote_port: Any, *a: Any, **k: Any) -> None:
-        self.sent.append(int(remote_port))
-
-    def waiting_for_transfer_complete(self, *a: Any, **k: Any) -> None:  # statuses: 0.24+ only
-        return None
-
-    def _mark_transfer_terminal_locked(self, transfer_id: Any) -> None:
-        return None
-
-    def _is_transfer_terminal_locked(self, transfer_id: Any) -> bool:
-        return False
-
-
-class _Worker:
-    """The worker fields the writer reads on this path (a weak reference must be possible)."""
-
-    def __init__(self, tp_rank: int) -> None:
-        self.tp_rank = tp_rank
-        self.world_size = TP
-        self.moriio_wrapper = _Transport()
-        self.moriio_config = SimpleNamespace(defer_timeout=60.0)
-        self.remote_dp_size_local = DP_LOCAL
-        self.num_layers = 1  # 0.14-0.23 finalize once every layer is written: one layer here
-
-
 def _write_notify_port(
     common: ModuleType, engine: ModuleType, installed: _Installed, dp: int, tp: int
 ) -> int | None:
-    worker = _Worker(tp)
+    # 0.14-0.23 finalize once every layer is written: one layer here
+    worker = WriterWorkerStandIn(tp, TP, remote_dp_size_local=DP_LOCAL, num_layers=1)
     writer = engine.MoRIIOWriter(worker)
     names = {f.name for f in dataclasses.fields(common.WriteTask)}
     fields = {
@@ -353,7 +310,8 @@ def _write_notify_port(
         info.writes_expected = 1
         info.writes_done = 1
         writer._finalize_if_complete(key, info)
-    return worker.moriio_wrapper.sent[0] if worker.moriio_wrapper.sent else None
+    ports = worker.moriio_wrapper.ports
+    return ports[0] if ports else None
 
 
 def probe() -> ProbeReport:

@@ -76,9 +76,14 @@ def worker_init_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwar
 
 def kv_port_value(func: Any) -> ast.expr:
     """The expression from_vllm_config passes as ``local_kv_port=`` to ``cls(...)``."""
+    return kv_port_value_in(function_ast(func))
+
+
+def kv_port_value_in(tree: ast.AST) -> ast.expr:
+    """The same, in from_vllm_config's AST (the runtime's and the native carry's check)."""
     values = [
         kw.value
-        for node in ast.walk(function_ast(func))
+        for node in ast.walk(tree)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "cls"
         for kw in node.keywords
         if kw.arg == "local_kv_port"
@@ -100,7 +105,12 @@ def is_released_probe(value: ast.expr) -> bool:
 
 
 def _worker_shape(init: Any) -> None:
-    tree = function_ast(init)
+    worker_shape(function_ast(init))
+
+
+def worker_shape(tree: ast.AST) -> None:
+    """UnknownShape unless MoRIIOConnectorWorker.__init__ (its AST) builds the config, the
+    engine and the backend the way both wrappers and the native carry rely on."""
     source = ast.unparse(tree)
     needed = {
         "self.moriio_config = MoRIIOConfig.from_vllm_config(": "builds its config with from_vllm_config",

@@ -43,33 +43,18 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
-from vllm_fix_core import Check, ProbeReport
+from vllm_fix_core import Check, ProbeReport, moriio_probe
 from vllm_fix_core.moriio_probe import probe_worker
 from vllm_fix_listener_port.mori_support import installed_mori
 
-HOST = "127.0.0.1"
-EXTRA_CONFIG: dict[str, Any] = {
-    "host_ip": HOST,  # resolve_host_ip: no get_ip() (it opens a socket)
-    "http_port": "8000",
-    "handshake_port": "6301",
-    "notify_port": "61005",
-    "proxy_ip": "",
-    "proxy_ping_port": "0",
-    "backend": "rdma",
-}
+HOST = moriio_probe.HOST
+EXTRA_CONFIG: dict[str, Any] = moriio_probe.extra_config(6301, 61005, backend="rdma")
 _TP_LOCK = threading.Lock()
 
 
 def vllm_config(extra: dict[str, Any] | None = None) -> Any:
     """What from_vllm_config reads of a VllmConfig, as vLLM's own config objects."""
-    from vllm.config import KVTransferConfig, ParallelConfig
-
-    kv_transfer_config = KVTransferConfig(
-        kv_connector="MoRIIOConnector",
-        kv_role="kv_producer",
-        kv_connector_extra_config=dict(EXTRA_CONFIG if extra is None else extra),
-    )
-    return SimpleNamespace(kv_transfer_config=kv_transfer_config, parallel_config=ParallelConfig())
+    return moriio_probe.vllm_config(EXTRA_CONFIG if extra is None else extra)
 
 
 @contextmanager
@@ -118,11 +103,7 @@ def ports_held_here() -> set[int]:
 
 def worker_config() -> Any:
     """What MoRIIOConnectorWorker.__init__ reads of a VllmConfig beyond from_vllm_config."""
-    config = vllm_config()
-    config.cache_config = SimpleNamespace(block_size=16, cache_dtype="auto")
-    config.model_config = SimpleNamespace(use_mla=False, dtype="bfloat16", get_head_size=lambda: 128)
-    config.scheduler_config = SimpleNamespace(disable_hybrid_kv_cache_manager=True)
-    return config
+    return moriio_probe.with_worker_configs(vllm_config(), dtype="bfloat16", head_size=128)
 
 
 def _worker_port() -> tuple[bool, str]:

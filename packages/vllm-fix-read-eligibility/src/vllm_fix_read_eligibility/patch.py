@@ -27,7 +27,7 @@ import ast
 import inspect
 import threading
 import time
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger, original_of
@@ -59,13 +59,27 @@ def _mc() -> Any:
     return mc
 
 
-def _self_attributes(method: Any) -> set[str]:
-    node = function_ast(method)
+def self_attributes(node: ast.AST) -> set[str]:
+    """The ``self.<name>`` attributes a function's AST reads or writes."""
     return {
         sub.attr
         for sub in ast.walk(node)
         if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self"
     }
+
+
+def shape_reason(params: Sequence[str], node: ast.AST) -> str | None:
+    """Why the method (its parameter names and AST) is not a shape the rule can answer for, or
+    None: the runtime patch (recognize) and the native carry (native.py) both ask this."""
+    if list(params) != ["self", "request", "num_computed_tokens"]:
+        return f"unexpected signature {TARGET}{tuple(params)}"
+    missing = {"is_producer", "mode"} - self_attributes(node)
+    if missing:
+        return (
+            f"{TARGET} no longer decides by self.{' / self.'.join(sorted(missing))}; the wrapper "
+            "answers for the READ consumer by exactly those"
+        )
+    return None
 
 
 def recognize() -> str:
@@ -74,15 +88,9 @@ def recognize() -> str:
     if TARGET not in cls.__dict__:
         raise UnknownShape(f"MoRIIOConnectorScheduler.{TARGET} is not defined on the class")
     method = original_of(cls, TARGET)  # what vLLM shipped, also under a layer of ours
-    params = list(inspect.signature(method).parameters)
-    if params != ["self", "request", "num_computed_tokens"]:
-        raise UnknownShape(f"unexpected signature {TARGET}{tuple(params)}")
-    missing = {"is_producer", "mode"} - _self_attributes(method)
-    if missing:
-        raise UnknownShape(
-            f"{TARGET} no longer decides by self.{' / self.'.join(sorted(missing))}; the wrapper "
-            "answers for the READ consumer by exactly those"
-        )
+    reason = shape_reason(list(inspect.signature(method).parameters), function_ast(method))
+    if reason:
+        raise UnknownShape(reason)
     if not hasattr(mc.MoRIIOMode, "READ"):
         raise UnknownShape("MoRIIOMode has no READ member")
     name = KNOWN_SHAPES.get(ast_fingerprint(method), "structural")

@@ -29,6 +29,8 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_fix_core import unwrap
+
 BATCH_IN_ARGUMENTS = ["self", "scheduler_output", "input_batch", "attn_metadata"]
 BATCH_IN_CALLER = (["self", "scheduler_output"], ["self", "scheduler_output", "kwargs"])
 # How far up from the wrapper the runner's frame may be (wrapt and other fixes' layers between).
@@ -109,7 +111,7 @@ def _replays_full_graph(node: ast.If) -> bool:
 
 
 def _function(obj: Any) -> Any:
-    return inspect.unwrap(obj)
+    return unwrap(obj)
 
 
 def _parsed(func: Any) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef, int]:

@@ -36,7 +36,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_fix_core import Check, NotApplicable, ProbeReport, original_of
-from vllm_fix_sync_load_zeroing.memo import WORKER_UTILS, CoverageFacts, coverage_facts
+from vllm_fix_core.moriio_probe import scheduler_without_requests
+from vllm_fix_sync_load_zeroing.facts import WORKER_UTILS, CoverageFacts
+from vllm_fix_sync_load_zeroing.memo import coverage_facts
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 ZERO = (7, 8, 9, 90)
@@ -128,7 +130,7 @@ def attention_spec() -> Any:
 
 def scheduler(mc: Any, case: Case, layout: str, spec: Any = None) -> Any:
     """A MoRIIOConnectorScheduler as vLLM's tests build one, with `case`'s READs pending."""
-    sched = mc.MoRIIOConnectorScheduler.__new__(mc.MoRIIOConnectorScheduler)
+    sched = scheduler_without_requests(mc)
     sched.mode = mc.MoRIIOMode.READ if case.read else mc.MoRIIOMode.WRITE
     sched.is_producer = not case.consumer
     sched._has_mamba = case.hybrid
@@ -137,13 +139,6 @@ def scheduler(mc: Any, case: Case, layout: str, spec: Any = None) -> Any:
     sched.kv_cache_config = SimpleNamespace(transfer_groups=[group], kv_cache_layout=layout)
     sched._attn_group_ids = [0]
     sched._mamba_group_ids = [1] if case.hybrid else []
-    sched.transfer_id_to_request_id = {}
-    sched.request_id_to_transfer_id = {}
-    sched._reqs_need_recv = {}
-    sched._req_kv_params = {}
-    sched._reqs_need_save = {}
-    sched._reqs_need_send = {}
-    sched._reqs_need_pending_save = {}
     sched._full_attn_group_idx = 0
     sched._full_attn_block_size = 16
     sched.block_size = 16

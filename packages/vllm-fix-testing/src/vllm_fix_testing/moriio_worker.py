@@ -5,27 +5,48 @@ The worker is vLLM's own class, built by its own ``__init__`` and started by its
 and only these:
 
 * the native MORI engine (``IOEngine`` / ``IOEngineConfig`` / ``BackendType`` /
-  ``EngineDesc`` / ``RdmaBackendConfig`` / ``PollCqMode``): :class:`MoriEngineStandIn`
-  hands out an engine key shaped like MORI's (``<role>:<ip>:<handshake base>:tp<t>:dp<d>``
-  as vLLM builds it);
+  ``EngineDesc`` / ``RdmaBackendConfig`` / ``PollCqMode``): the probes' stand-in
+  (``vllm_fix_core.moriio_probe``), as :class:`MoriEngineStandIn` without its RDMA listener; it
+  keeps the engine key vLLM builds (``<role>:<ip>:<handshake base>:tp<t>:dp<d>``);
 * the tensor-parallel group getters (one process plays every rank);
 * the attention-backend lookup (platform-specific, no GPU).
 
-Use :func:`install_worker_stand_ins` with a pytest ``MonkeyPatch`` (undone at test end).
+The configs, the KV cache and the writer's worker and transport are the probes' own
+(``vllm_fix_core.moriio_probe``). Use :func:`install_worker_stand_ins` with a pytest
+``MonkeyPatch`` (undone at test end).
 """
 
 from __future__ import annotations
 
 import importlib
-import mmap
 import socket
 import threading
 import time
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+from vllm_fix_core import moriio_probe
+from vllm_fix_core.moriio_probe import LAYER, NotifyTransportStandIn, WriterWorkerStandIn
+
+__all__ = [
+    "LAYER",
+    "NUM_BLOCKS",
+    "MoriEngineStandIn",
+    "NotifyTransportStandIn",
+    "Startup",
+    "WriterWorkerStandIn",
+    "bindable",
+    "free_port_blocks",
+    "install_worker_stand_ins",
+    "kv_cache_config",
+    "module_of",
+    "moriio_modules",
+    "page_aligned_kv_caches",
+    "shut_down",
+    "worker_vllm_config",
+]
+
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
-LAYER = "model.layers.0.self_attn.attn"
 NUM_BLOCKS = 4
 
 
@@ -38,24 +59,12 @@ def moriio_modules() -> SimpleNamespace:
     )
 
 
-class MoriEngineStandIn:
-    """Stands in for ``mori.io.IOEngine``: no native listener, a descriptor key like MORI's."""
+class MoriEngineStandIn(moriio_probe.EngineStandIn):
+    """The probes' ``mori.io.IOEngine`` stand-in, opening no RDMA listener: these tests start
+    vLLM's handshake and notify listeners, not MORI's."""
 
-    def __init__(self, key: str, config: Any) -> None:
-        self.key = key
-        self.config = config
-
-    def create_backend(self, *args: Any) -> None:
+    def create_backend(self, backend_type: Any, backend_config: Any = None) -> None:
         return None
-
-    def register_remote_engine(self, desc: Any) -> None:
-        return None
-
-    def register_torch_tensor(self, tensor: Any) -> Any:
-        return SimpleNamespace(pack=lambda: b"memory-desc")
-
-    def get_engine_desc(self) -> Any:
-        return SimpleNamespace(key=self.key, port=12345, pack=lambda: self.key.encode())
 
 
 class _EngineDesc:
@@ -64,32 +73,12 @@ class _EngineDesc:
         return SimpleNamespace(key=data.decode())
 
 
-def _config_stand_in(host: str, port: int) -> Any:
-    return SimpleNamespace(host=host, port=port)
-
-
-def _rdma_config_stand_in(*args: Any, **kwargs: Any) -> Any:
-    return SimpleNamespace(args=args, kwargs=kwargs)
-
-
 def install_worker_stand_ins(monkeypatch: Any, mods: SimpleNamespace | None = None) -> SimpleNamespace:
     """MORI, the attention-backend lookup; returns ``mods`` with ``set_ranks(tp_rank, tp_size)``."""
     mods = mods or moriio_modules()
-    connector, engine = mods.connector, mods.engine
-    monkeypatch.setattr(connector, "MoRIIO_enabled", True, raising=False)
-    monkeypatch.setattr(connector, "IOEngine", MoriEngineStandIn, raising=False)
-    monkeypatch.setattr(connector, "IOEngineConfig", _config_stand_in, raising=False)
-    backend_type = SimpleNamespace(RDMA="rdma", XGMI="xgmi")
-    monkeypatch.setattr(connector, "BackendType", backend_type, raising=False)
-    for name, value in (
-        ("BackendType", backend_type),
-        ("PollCqMode", SimpleNamespace(POLLING="polling")),
-        ("RdmaBackendConfig", _rdma_config_stand_in),
-        ("EngineDesc", _EngineDesc),
-    ):
-        monkeypatch.setattr(engine, name, value, raising=False)
-    backend = SimpleNamespace(get_name=lambda: "FAKE_ATTN")
-    monkeypatch.setattr(connector, "get_attn_backend", lambda *a, **k: backend)
+    for owner, name, value in moriio_probe.mori_stand_ins(mods.connector, mods.engine, MoriEngineStandIn):
+        monkeypatch.setattr(owner, name, value, raising=False)
+    monkeypatch.setattr(mods.engine, "EngineDesc", _EngineDesc, raising=False)
 
     def set_ranks(tp_rank: int, tp_size: int) -> None:
         """This process's (tp_rank, tp_size) as vLLM's TP group would report it."""
@@ -115,60 +104,24 @@ def worker_vllm_config(
     notify: int,
     producer: bool = True,
 ) -> Any:
-    """The fields MoRIIOConfig.from_vllm_config and the worker read (as vLLM's tests build one)."""
-    extra = {
-        "handshake_port": str(handshake),
-        "notify_port": str(notify),
-        "http_port": "8000",
-        "host_ip": "127.0.0.1",
-        "proxy_ip": "",
-    }
-    return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config=extra,
-            is_kv_producer=producer,
-            kv_role="kv_producer" if producer else "kv_consumer",
-        ),
-        parallel_config=SimpleNamespace(
-            data_parallel_rank=dp_rank,
-            data_parallel_size_local=dp_local,
-            data_parallel_size=dp_local,
-            tensor_parallel_size=tp_size,
-        ),
-        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
-        model_config=SimpleNamespace(
-            use_mla=False,
-            dtype="float16",
-            get_head_size=lambda: 64,
-            get_total_num_kv_heads=lambda: 8,
-            hf_config=SimpleNamespace(model_type="llama"),
-        ),
-        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True),
+    """What MoRIIOConfig.from_vllm_config and the worker read, for rank `dp_rank` of a
+    `dp_local` x `tp_size` host (the probes' builder; an 8-head llama model)."""
+    config = moriio_probe.vllm_config(
+        moriio_probe.extra_config(handshake, notify),
+        parallel=moriio_probe.parallel_config(dp_rank, dp_local, tp_size),
+        producer=producer,
     )
+    return moriio_probe.with_worker_configs(config, num_kv_heads=8, model_type="llama")
 
 
 def kv_cache_config() -> Any:
-    """A real one-layer KVCacheConfig (full attention, 4 blocks of 16 tokens)."""
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[],  # the connector reads the groups only
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=[LAYER], kv_cache_spec=spec)],
-    )
+    """A real one-layer KVCacheConfig (full attention, NUM_BLOCKS blocks of 16 tokens)."""
+    return moriio_probe.kv_cache_config(NUM_BLOCKS)
 
 
 def page_aligned_kv_caches() -> dict[str, Any]:
     """CPU KV caches shaped like the one-layer config, page-aligned like a GPU allocation."""
-    import torch
-
-    shape = (2, NUM_BLOCKS, 16, 1, 64)
-    nbytes = 2 * NUM_BLOCKS * 16 * 64 * 2
-    buf = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
-    tensor = torch.frombuffer(buf, dtype=torch.float16, count=nbytes // 2).view(shape)
-    return {LAYER: tensor}
+    return moriio_probe.kv_caches(NUM_BLOCKS)
 
 
 def shut_down(worker: Any, timeout: float = 10.0) -> None:
@@ -253,45 +206,3 @@ def free_port_blocks(n: int, low: int = 20000, high: int = 31000) -> tuple[int, 
 
 def module_of(obj: Any) -> ModuleType:
     return importlib.import_module(obj.__module__)
-
-
-class NotifyTransportStandIn:
-    """What ``MoRIIOWriter`` asks of ``MoRIIOWrapper`` on its notify path; records each notify."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.done_req_ids: list[Any] = []
-        self.done_remote_allocate_req_dict: dict[str, Any] = {}
-        self.sent: list[tuple[Any, str, int, Any]] = []
-
-    def send_notify(
-        self, transfer_id: Any, remote_ip: str, remote_port: int, message_type: Any = None, **fields: Any
-    ) -> None:
-        self.sent.append((transfer_id, remote_ip, int(remote_port), message_type))
-
-    def waiting_for_transfer_complete(self, statuses: Any, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def _mark_transfer_terminal_locked(self, transfer_id: Any) -> None:
-        return None
-
-    def _is_transfer_terminal_locked(self, transfer_id: Any) -> bool:
-        return False
-
-    def fail_unallocated_write(self, transfer_id: Any) -> bool:
-        return transfer_id not in self.done_remote_allocate_req_dict
-
-
-class WriterWorkerStandIn:
-    """The worker fields ``MoRIIOWriter`` reads on its notify path (weak-referenceable).
-
-    ``world_size=None`` leaves the attribute out, like the fake worker of vLLM's own
-    writer tests.
-    """
-
-    def __init__(self, tp_rank: int, world_size: int | None = None) -> None:
-        self.tp_rank = tp_rank
-        if world_size is not None:
-            self.world_size = world_size
-        self.moriio_wrapper = NotifyTransportStandIn()
-        self.moriio_config = SimpleNamespace(defer_timeout=60.0)

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from vllm_fix_core.moriio_probe import scheduler_without_requests
+
 MC_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
 MORIIO_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 
@@ -293,18 +295,13 @@ class World:
         self.v = v = _vllm()
         self.num_workers = num_workers
         self.async_scheduling = async_scheduling
-        ms = v.mo.MoRIIOConnectorScheduler.__new__(v.mo.MoRIIOConnectorScheduler)
+        ms = scheduler_without_requests(v.mo)
         ms.is_producer = True
         ms.mode = v.mo.MoRIIOMode.READ
         ms._has_mamba = False
         ms._is_hma_required = False
         ms.blocks_per_sw = [0]
         ms.kv_cache_config = SimpleNamespace(kv_cache_groups=[None], select_transfer_block_ids=lambda b: b)
-        ms._reqs_need_send = {}
-        ms._reqs_need_recv = {}
-        ms._reqs_need_save = {}
-        ms._reqs_need_pending_save = {}
-        ms._req_kv_params = {}
         ms._deferred_send_deadlines = {}
         ms._pending_sent_acks = {}
         ms._defer_timeout = float(NEVER)  # the test clock expires deadlines explicitly
@@ -318,8 +315,6 @@ class World:
                 data_parallel_size=1, data_parallel_size_local=1, tensor_parallel_size=num_workers
             )
         )
-        ms.transfer_id_to_request_id = {}
-        ms.request_id_to_transfer_id = {}
         self.moriio_sched = ms
         moriio = v.mo.MoRIIOConnector.__new__(v.mo.MoRIIOConnector)
         moriio.connector_scheduler = ms

@@ -11,16 +11,19 @@ transfer agent) step after step, the way ``execute_model`` + ``sample_tokens`` d
    KV connector output (where and when the installed vLLM does);
 4. ``get_output()`` (real, as installed).
 
-What is stood in: the model, sampler and request state (tensors of the right shapes); the
-drafter (its ``propose`` saves a draft layer through the agent and, on a GPU, runs a long kernel
-that writes a draft-KV tensor); the connector (:class:`recording_connector`, a real
-``KVConnectorBase_V1`` subclass that records calls; a save completes at ``wait_for_save``).
+What is stood in: the model, sampler and request state (tensors of the right shapes: the
+spec-kv-readiness probe's own stand-ins, :mod:`vllm_fix_spec_kv_readiness.stand_ins`, for any
+number of requests and on either device); the drafter (its ``propose`` saves a draft layer
+through the agent and, on a GPU, runs a long kernel that writes a draft-KV tensor); the connector
+(:class:`recording_connector`, a real ``KVConnectorBase_V1`` subclass that records calls; a save
+completes at ``wait_for_save``).
 
 Devices:
 
-* ``device="cpu"``: events are :class:`Event` objects recorded in call order, and the
-  ``AsyncOutput`` constructor is a host-copy one (the CUDA one cannot run); its inherited
-  ``get_output`` is vLLM's. The order of submission is what is checked.
+* ``device="cpu"``: events are :class:`Event` objects recorded in call order on a
+  :class:`StepLog`, and the ``AsyncOutput`` constructor is a host-copy one
+  (:func:`cpu_async_output`; the CUDA one cannot run); its inherited ``get_output`` is vLLM's.
+  The order of submission is what is checked.
 * ``device="cuda"``: everything is real, ``AsyncOutput`` included (real streams, real
   ``torch.cuda.Event``); the drafter sleeps on the device before writing its KV, and
   :attr:`StepResult.draft_done_at_output` says whether the draft's last kernel had finished
@@ -31,48 +34,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-TARGET_LAYER = "model.layers.0.self_attn.attn"
-DRAFT_LAYER = "draft_model.layers.0.self_attn.attn"
-DRAFT_DONE = "draft_kv_written"
-DRAIN = "kv_output_collected"
-
-
-@dataclass
-class StepLog:
-    """One step: calls in submission order, and the events ``get_output`` waited on."""
-
-    entries: list[str] = field(default_factory=list)
-    synced: list[Event] = field(default_factory=list)
-
-    def at(self, entry: str) -> int:
-        return self.entries.index(entry) if entry in self.entries else -1
-
-    def count(self, entry: str) -> int:
-        return self.entries.count(entry)
-
-
-class Event:
-    """A device event on a CPU: where in the step it was recorded, and whether it was waited on."""
-
-    def __init__(self, name: str, log: StepLog) -> None:
-        self.name = name
-        self.log = log
-        self.recorded_at = -1
-
-    def record(self, stream: Any = None) -> None:
-        self.recorded_at = len(self.log.entries)
-        self.log.entries.append(f"record:{self.name}")
-
-    def synchronize(self) -> None:
-        self.log.synced.append(self)
-
-    def query(self) -> bool:
-        return True
-
+from vllm_fix_spec_kv_readiness import stand_ins
+from vllm_fix_spec_kv_readiness.stand_ins import DRAFT_DONE, DRAFT_LAYER, DRAIN, TARGET_LAYER, Event
+from vllm_fix_spec_kv_readiness.stand_ins import Step as StepLog
+from vllm_fix_spec_kv_readiness.stand_ins import async_output_class as cpu_async_output
 
 _CONNECTOR_CLASS: Any = None
 
@@ -195,37 +164,6 @@ class StepState(SimpleNamespace):
         return None
 
 
-class _Model:
-    def compute_logits(self, hidden_states: Any) -> Any:
-        return hidden_states
-
-
-class _NoPromptLogprobs:
-    def compute_prompt_logprobs(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return {}
-
-    def compute_prompt_token_id_logprobs(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return {}
-
-
-class _Eplb:
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @contextmanager
-    def suppress(self) -> Iterator[None]:
-        yield
-
-
-class RunnerSelf:
-    """The runner's ``self``: optional features sample_tokens asks about are absent (None)."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return None
-
-
 class Drafter:
     """The speculator. Its forward saves the draft layer through vLLM's KV transfer agent and,
     on a GPU, first sleeps on the device (a long draft kernel) and then writes the draft KV."""
@@ -298,25 +236,9 @@ class SpecRunner:
         dev = self.device
         n = self.num_reqs
         reqs = [f"req-{i}" for i in range(n)]
-        batch = SimpleNamespace(
-            req_ids=reqs,
-            idx_mapping=torch.arange(n, device=dev),
-            query_start_loc=torch.arange(n + 1, device=dev),
-            num_tokens=n,
-            num_reqs=n,
-            num_scheduled_tokens=[1] * n,
-        )
-        num_sampled = torch.ones(n, dtype=torch.int32, device=dev)
-        num_rejected = torch.zeros(n, dtype=torch.int32, device=dev)
-        sampler_output = SimpleNamespace(
-            sampled_token_ids=torch.full((n, 1), self.step_index, dtype=torch.int64, device=dev),
-            logprobs_tensors=None,
-            num_nans=None,
-            sampling_mask_tensors=None,
-            num_rejected=num_rejected,
-        )
-        s: Any = RunnerSelf()
-        s.execute_model_state = StepState(
+        batch = stand_ins.step_batch(reqs, device=dev)
+        batch.num_scheduled_tokens = [1] * n
+        state = StepState(
             input_batch=batch,
             attn_metadata={},
             slot_mappings_by_layer={},
@@ -328,32 +250,12 @@ class SpecRunner:
             cudagraph_stats=None,
             num_spec_tokens_to_schedule=self.num_spec if self.speculative else 0,
         )
-        s.is_last_pp_rank = True
-        s.sample = lambda *args, **kwargs: (sampler_output, num_sampled, num_rejected)
-        s.prompt_logprobs_worker = _NoPromptLogprobs()
-        s.model = _Model()
-        state = SimpleNamespace(gpu=None, np=None)
-        s.req_states = SimpleNamespace(
-            all_token_ids=state,
-            num_computed_tokens=state,
-            prompt_len=state,
-            last_sampled_tokens=None,
-            next_prefill_tokens=None,
-            draft_tokens=torch.zeros(n, self.num_spec, dtype=torch.int64, device=dev),
-        )
+        sample = stand_ins.sampled(n, self.step_index, device=dev)
+        draft_tokens = torch.zeros(n, self.num_spec, dtype=torch.int64, device=dev)
+        s = stand_ins.runner_self(self.active, self.drafter, state, sample, draft_tokens, self.num_spec)
         if dev == "cuda":
             s.main_stream = torch.cuda.current_stream()
             s.output_copy_stream = self._copy_stream()
-        s.check_ep_fault = False
-        s.kv_connector = self.active
-        s.speculator = self.drafter
-        s.model_state = SimpleNamespace(supports_mm_inputs=False)
-        s.postprocess_sampled = lambda *args, **kwargs: None
-        s.sampler = SimpleNamespace(sampling_states=SimpleNamespace(temperature=state, seeds=state))
-        s._draft_workspace_lane = 1
-        s.num_speculative_steps = self.num_spec if self.speculative else 0
-        s.draft_tokens_handler = SimpleNamespace(set_draft_tokens=lambda *args, **kwargs: None)
-        s.eplb = _Eplb()
         return s, batch
 
     _stream: Any = None
@@ -408,25 +310,18 @@ class SpecRunner:
             model_runner.AsyncOutput = real
 
 
-def cpu_async_output(base: type, log: StepLog) -> Any:
-    """vLLM's AsyncOutput with a constructor a CPU can run (host copies, the copy event recorded
-    where vLLM records it); get_output is inherited, so the installed one runs. The class's
-    ``log`` is the step being recorded (a runner reuses the class and sets it per step)."""
-
-    class CpuAsyncOutput(base):  # type: ignore[misc, valid-type]
-        def __init__(self, model_runner_output: Any, sampler_output: Any, num_sampled_tokens: Any, **_: Any):
-            self.model_runner_output = model_runner_output
-            self.sampled_token_ids = sampler_output.sampled_token_ids.numpy()
-            self.num_sampled_tokens_np = num_sampled_tokens.numpy()
-            self.prompt_logprobs_dict: dict[str, Any] = {}
-            self.prompt_token_id_logprobs_dict: dict[str, Any] = {}
-            self.copy_event = Event("copy", type(self).log)
-            self.copy_event.record()
-
-        def __getattr__(self, name: str) -> Any:
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return None
-
-    CpuAsyncOutput.log = log
-    return CpuAsyncOutput
+__all__ = [
+    "DRAFT_DONE",
+    "DRAFT_LAYER",
+    "DRAIN",
+    "TARGET_LAYER",
+    "Drafter",
+    "Event",
+    "SpecRunner",
+    "StepLog",
+    "StepResult",
+    "StepState",
+    "cpu_async_output",
+    "kv_agent",
+    "recording_connector",
+]
