@@ -1,6 +1,8 @@
 """docs/backporting.md, executed as written: a fork maintainer asks `vllm-fixes status --source`
 which fixes a vLLM tree needs, carries one natively (the read-eligibility README's "Native carry"
-recipe, applied to the tree's source), and asks again.
+recipe, applied to the tree's source), and asks again; then has `vllm-fixes backport --write`
+carry every needed fix that has a native transformation, and asks again: the tree is clean of
+those fixes, and still needs exactly the others.
 
 The "fork" is the installed release's own Python sources in a temporary folder (every file
 linked, the one changed file copied and edited), first on the path of the child process the
@@ -18,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from vllm_fix_core.registry import installed_fixes
+from vllm_fix_testing.native_trees import installed_tree
 
 MODULE = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
 CARRIED = "read-eligibility"
@@ -160,18 +165,96 @@ def test_the_tree_needs_the_fix_until_it_carries_it_natively(
     plain, carried = answers
     before = {f["fix"]: f for f in plain["fixes"]}
     after = {f["fix"]: f for f in carried["fixes"]}
-    assert before[CARRIED]["answer"].startswith("needs it"), before[CARRIED]
-    assert after[CARRIED]["answer"] == "carries it already", after[CARRIED]
+    assert before[CARRIED]["this_tree"].startswith("needs it"), before[CARRIED]
+    assert after[CARRIED]["this_tree"] == "carries it already", after[CARRIED]
     # Every other fix answers exactly as before: the tree still needs those it needed.
     others = set(before) - {CARRIED}
-    assert others and {k: after[k]["answer"] for k in others} == {k: before[k]["answer"] for k in others}
-    assert any(before[k]["answer"].startswith("needs it") for k in others)
+    assert others and {k: after[k]["this_tree"] for k in others} == {
+        k: before[k]["this_tree"] for k in others
+    }
+    assert any(before[k]["this_tree"].startswith("needs it") for k in others)
 
 
 def test_verify_applies_the_runtime_fix_to_the_tree_until_it_carries_it(tmp_path: Path) -> None:
     plain = status(fork_tree(tmp_path, carry=False), "verify", CARRIED)
     carried = status(fork_tree(tmp_path, carry=True), "verify", CARRIED)
-    assert [f["answer"] for f in plain["fixes"]] == [
+    assert [f["this_tree"] for f in plain["fixes"]] == [
         "needs it (the tree has the bug; the runtime fix applies and verifies)"
     ], plain
-    assert [f["answer"] for f in carried["fixes"]] == ["carries it already"], carried
+    assert [f["this_tree"] for f in carried["fixes"]] == ["carries it already"], carried
+
+
+# ---------------------------------------------------------------- vllm-fixes backport --write
+def backport(tree: Path, *fix: str) -> tuple[int, dict[str, Any]]:
+    only = [arg for fix_id in fix for arg in ("--fix", fix_id)]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_fix_core.cli",
+            "backport",
+            "--json",
+            "--write",
+            "--source",
+            str(tree),
+            *only,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    data: dict[str, Any] = json.loads(proc.stdout)
+    return proc.returncode, data
+
+
+@pytest.fixture(scope="module")
+def backported(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, Any], list[str], int, dict[str, Any], dict[str, Any]]:
+    """(status before, the fixes carried, backport's exit status and JSON, status after) for a
+    fork tree: the release's own sources as real folders (a fork's checkout; files hard-linked)."""
+    tree = installed_tree(tmp_path_factory.mktemp("backport")).root
+    before = status(tree)
+    natives = {i.fix.id for i in installed_fixes() if i.fix.native is not None}
+    needed = [f["fix"] for f in before["fixes"] if f["this_tree"].startswith("needs it")]
+    carried = sorted(set(needed) & natives)
+    code, report = backport(tree, *carried)
+    return before, carried, code, report, status(tree)
+
+
+def test_backport_writes_every_needed_fix_that_has_a_native(
+    backported: tuple[dict[str, Any], list[str], int, dict[str, Any], dict[str, Any]],
+) -> None:
+    """Every needed fix with a native is written and verified, or refused with its reason (a
+    release whose code the transformation cannot carry, e.g. sync-load-context before 0.18);
+    the exit status says whether any was refused, and the written ones are in the tree."""
+    _, carried, code, report, _ = backported
+    assert CARRIED in carried, carried
+    results = {r["fix"]: r for r in report["fixes"]}
+    assert set(results) == set(carried)
+    written = {k for k, r in results.items() if r["result"] == "written and verified"}
+    refused = {k: r for k, r in results.items() if k not in written}
+    assert CARRIED in written, results
+    assert all(r["result"] == "cannot be carried natively here" and r["reason"] for r in refused.values()), (
+        refused
+    )
+    assert code == (1 if refused else 0), report
+    assert report["written"] is True, report
+    assert all(results[k]["files"] for k in written) and not any(r["files"] for r in refused.values())
+
+
+def test_after_backport_the_tree_is_clean_for_those_fixes(
+    backported: tuple[dict[str, Any], list[str], int, dict[str, Any], dict[str, Any]],
+) -> None:
+    before, carried, _, report, after = backported
+    written = [r["fix"] for r in report["fixes"] if r["result"] == "written and verified"]
+    was = {f["fix"]: f["this_tree"] for f in before["fixes"]}
+    now = {f["fix"]: f["this_tree"] for f in after["fixes"]}
+    assert after["vllm"]["path"] == before["vllm"]["path"]  # the tree, not the installed vLLM
+    assert all(was[k].startswith("needs it") for k in carried), was  # the negative control
+    assert {k: now[k] for k in written} == {k: "carries it already" for k in written}, now
+    # Every fix not written answers as before: the native changes touch only their own fixes,
+    # and a refused one was not half-applied.
+    assert {k: now[k] for k in set(was) - set(written)} == {k: was[k] for k in set(was) - set(written)}

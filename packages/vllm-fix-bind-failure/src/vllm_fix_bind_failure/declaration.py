@@ -1,6 +1,7 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
 from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core.native import NativeEdit, SourceTree
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 CONNECTOR = f"{PACKAGE}.moriio_connector"
@@ -11,6 +12,12 @@ def _links() -> Links:
     from vllm_fix_bind_failure import patch, probe
 
     return Links(probe.probe, patch.recognize, patch.apply)
+
+
+def _native(tree: SourceTree) -> list[NativeEdit]:
+    from vllm_fix_bind_failure import native
+
+    return native.transform(tree)
 
 
 FIX = Fix(
@@ -52,6 +59,7 @@ FIX = Fix(
         Target(ENGINE, "zmq_ctx", ProcessKind.WORKER),
     ),
     links=_links,
+    native=_native,
     notes=(
         "Independent of the port convention: useful with or without vllm-fix-handshake-port, and "
         "with DP = TP = 1 (two instances on one host with the default ports).",

@@ -1,6 +1,7 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
 from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core.native import NativeEdit, SourceTree
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
 
@@ -9,6 +10,12 @@ def _links() -> Links:
     from vllm_fix_completion_ownership import patch, probe
 
     return Links(probe.probe, patch.recognize, patch.apply)
+
+
+def _native(tree: SourceTree) -> list[NativeEdit]:
+    from vllm_fix_completion_ownership import native
+
+    return native.transform(tree)
 
 
 FIX = Fix(
@@ -73,6 +80,7 @@ FIX = Fix(
         Target(MODULE, "MultiConnector.get_finished", ProcessKind.WORKER),
     ),
     links=_links,
+    native=_native,
     notes=(
         "Load the plugin in every vLLM process (vLLM does: general plugins load in engine "
         "core and workers). A patched worker that receives metadata without owner sets logs "

@@ -1,4 +1,5 @@
-"""The `vllm-fixes` command: list, status, verify (each with --json; status/verify with --source).
+"""The `vllm-fixes` command: list, status, verify (each with --json; status/verify with --source),
+and backport (carry the fixes a source tree needs in its own code, verified; see backport.py).
 
 Every answer uses the ladder's own words (`Answer` values); `status` and `verify` end with one
 summary line per vLLM. With --json, stdout carries only JSON: vLLM's log lines and prints go to
@@ -14,15 +15,18 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from vllm_fix_core import runtime
+from vllm_fix_core import backport, runtime
 from vllm_fix_core.declaration import Fix, ProbeReport
 from vllm_fix_core.environment import ImportedVllm, imported_vllm
 from vllm_fix_core.ladder import Answer, Decision, GuardAnswer, evaluate, summary_line
+from vllm_fix_core.native import CannotCarry, SourceTree
 from vllm_fix_core.registry import Installed, installed_fixes, plugin_entry_points
 from vllm_fix_core.settings import (
     DISABLE_ENV,
@@ -357,6 +361,87 @@ def cmd_source(command: str, source: str, args: argparse.Namespace) -> int:
     return proc.returncode
 
 
+# ---------------------------------------------------------------- backport (fork trees)
+def _no_tree(tree: str) -> bool:
+    if os.path.isdir(os.path.join(tree, "vllm")):
+        return False
+    print(f"vllm-fixes: {tree} holds no vllm/ package (give the folder that contains vllm/)", file=sys.stderr)
+    return True
+
+
+def _progress(result: backport.Result) -> None:
+    print(f"vllm-fixes backport: {result.fix_id}: {result.result.value}", file=sys.stderr, flush=True)
+
+
+def cmd_backport(items: list[Installed], args: argparse.Namespace) -> int:
+    """Carry each fix the tree needs natively, verified on a scratch copy; then print the patch
+    (or write it to --output, or write the tree with --write) and exit 1 if one could not be."""
+    tree = os.path.abspath(args.source)
+    if _no_tree(tree):
+        return 2
+    source = SourceTree(Path(tree))
+    # stdout carries only the patch or JSON: whatever a transformation prints goes to stderr.
+    with _stdout_to_stderr(True), tempfile.TemporaryDirectory(prefix="vllm-fixes-backport-") as work:
+        done = backport.backport([i.fix for i in items], source, Path(work), on_result=_progress)
+    patch, written, code = done.patch(), False, 1 if done.failed else 0
+    if args.output:
+        Path(args.output).write_text(patch, encoding="utf-8")
+    if args.write and done.edits:
+        try:  # every fix written has verified: the tree changes now, file by file, all checked first
+            backport.write_edits(source.root, done.edits)
+            written = True
+        except CannotCarry as exc:
+            print(f"vllm-fixes: {tree} was not changed: {exc}", file=sys.stderr)
+            code = 1
+    if args.json:
+        records = [r.record() for r in done.results]
+        print(
+            json.dumps(
+                {
+                    "source": tree,
+                    "fixes": records,
+                    "written": written,
+                    "output": args.output,
+                    "summary": done.summary(),
+                },
+                indent=2,
+                ensure_ascii=False,
+            )
+        )
+        return code
+    rows = [[r.fix_id, r.result.value, ", ".join(e.path for e in r.edits), r.reason] for r in done.results]
+    report = f"{_table(rows, ['fix', 'result', 'files', 'why'])}\n{done.summary()}"
+    if written:
+        report += f"\n{tree}: {len(done.edits)} files changed"
+    if args.write or args.output:
+        print(report)
+    else:
+        sys.stdout.write(patch)
+        print(report, file=sys.stderr)
+    return code
+
+
+def _backport_parser(sub: Any) -> None:
+    text = (
+        "carry the fixes a vLLM source tree needs in its own code: each change is made on a scratch "
+        "copy and verified by the fix's probe before it is offered; prints a patch (git apply / patch "
+        "-p1), or --output it, or --write the tree; exit 1 if a needed fix could not be carried"
+    )
+    p = sub.add_parser("backport", help=text, description=text)
+    p.add_argument(
+        "--source", metavar="TREE", required=True, help="the vLLM source tree (the folder holding vllm/)"
+    )
+    p.add_argument("--fix", action="append", default=[], help="only this fix id (repeatable)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--output", metavar="FILE.patch", help="write the patch to this file instead of stdout")
+    out.add_argument(
+        "--write", action="store_true", help="change the tree in place (the verified fixes only)"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="per fix: fix, result, reason, files (stdout only JSON)"
+    )
+
+
 # ---------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -384,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 metavar="PATH",
                 help="a vLLM source tree (the folder holding vllm/): check it instead of the installed vLLM",
             )
+    _backport_parser(sub)
     args = parser.parse_args(argv)
     try:
         Settings.from_env()
@@ -402,6 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         items = [i for i in items if i.fix.id in set(args.fix)]
+    if args.command == "backport":
+        return cmd_backport(items, args)
     if getattr(args, "source", None):
         return cmd_source(args.command, args.source, args)
     handler = {"list": cmd_list, "status": cmd_status, "verify": cmd_verify}[args.command]

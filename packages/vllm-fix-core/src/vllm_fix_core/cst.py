@@ -7,11 +7,13 @@ code is not what it expects, so the backport can say why.
 
 from __future__ import annotations
 
+import ast
 import textwrap
 from collections.abc import Callable, Sequence
 
 import libcst as cst
 
+from vllm_fix_core.fingerprint import parse_source, strip_docstrings
 from vllm_fix_core.native import CannotCarry
 
 FunctionChange = Callable[[cst.FunctionDef], cst.FunctionDef]
@@ -173,17 +175,183 @@ def dotted(node: cst.BaseExpression) -> str:
     return ""
 
 
+def add_before(source: str, name: str, code: str, comment: str | None = None) -> str:
+    """`code` (module-level definitions) placed right before the top-level def or class
+    `name` (next to the code that uses it), two blank lines either side."""
+    module = parse(source)
+    body = list(module.body)
+    at = next(
+        (
+            i
+            for i, stmt in enumerate(body)
+            if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and stmt.name.value == name
+        ),
+        None,
+    )
+    if at is None:
+        raise CannotCarry(f"no top-level {name} to place the change before")
+    new = statements(code)
+    if not new:
+        return source
+    anchor = body[at]
+    assert isinstance(anchor, (cst.FunctionDef, cst.ClassDef))
+    first = new[0]
+    blank = [cst.EmptyLine(), cst.EmptyLine()]
+    lines = list(anchor.leading_lines)
+    if not any(line.comment is None for line in lines):  # the blank lines sit in the block before
+        lines = [*blank, *lines]
+    if comment is not None:
+        lines.append(comment_line(comment))
+    if isinstance(first, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+        new[0] = first.with_changes(leading_lines=lines)
+    new = [
+        s.with_changes(leading_lines=blank)
+        if i and isinstance(s, (cst.FunctionDef, cst.ClassDef)) and not s.leading_lines
+        else s
+        for i, s in enumerate(new)
+    ]
+    body[at] = anchor.with_changes(leading_lines=blank)
+    return module.with_changes(body=[*body[:at], *new, *body[at:]]).code
+
+
+def replace_function(
+    source: str, qualname: str, change: Callable[[cst.FunctionDef], Sequence[cst.BaseStatement]]
+) -> str:
+    """`source` with the function at `qualname` replaced by the statements `change(function)`
+    returns (e.g. the original under a private name, then the fixed function calling it)."""
+    module = parse(source)
+    target = find_function(module, qualname)
+    new = list(change(target))
+
+    class _Split(cst.CSTTransformer):
+        done = False
+
+        def leave_FunctionDef(
+            self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+        ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
+            if original_node is target:
+                self.done = True
+                return cst.FlattenSentinel(new)
+            return updated_node
+
+    splitter = _Split()
+    result = module.visit(splitter)
+    if not splitter.done:  # pragma: no cover - find_function found it in this very tree
+        raise CannotCarry(f"def {qualname} could not be replaced")
+    return result.code
+
+
+def insert_after(
+    func: cst.FunctionDef, match: Callable[[cst.BaseStatement], bool], stmts: Sequence[cst.BaseStatement]
+) -> cst.FunctionDef:
+    """`stmts` right after the one top-level statement of the body that `match` accepts."""
+    body = body_statements(func)
+    found = [i for i, stmt in enumerate(body) if match(stmt)]
+    if len(found) != 1:
+        raise CannotCarry(
+            f"def {func.name.value}: {len(found)} statements where exactly one anchors the change"
+        )
+    at = found[0] + 1
+    return with_body(func, [*body[:at], *stmts, *body[at:]])
+
+
+def calls(stmt: cst.BaseStatement, name: str) -> bool:
+    """The statement is a bare call of the dotted `name` (`self.x.y(...)` on its own line)."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return False
+    expr = stmt.body[0]
+    return isinstance(expr, cst.Expr) and isinstance(expr.value, cst.Call) and dotted(expr.value.func) == name
+
+
+def forwarding_call(func: cst.FunctionDef, callee: str) -> str:
+    """Code of a call of `callee` passing on every parameter of `func` as it was received
+    (positional ones by position, keyword-only ones by name, `*args` / `**kwargs` spread);
+    the first parameter (self / cls) is left out when `callee` is an attribute of it."""
+    params = func.params
+    positional = [p.name.value for p in (*params.posonly_params, *params.params)]
+    if positional and callee.startswith(positional[0] + "."):
+        positional = positional[1:]
+    args = list(positional)
+    if isinstance(params.star_arg, cst.Param):
+        args.append("*" + params.star_arg.name.value)
+    args += [f"{p.name.value}={p.name.value}" for p in params.kwonly_params]
+    if params.star_kwarg is not None:
+        args.append("**" + params.star_kwarg.name.value)
+    return f"{callee}({', '.join(args)})"
+
+
+def ast_of(source: str, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef:
+    """The stdlib AST of the def or class at `qualname` ("name" or "Class.name"), docstrings
+    stripped (the AST the runtime's shape checks read of the installed function)."""
+    try:
+        scope: list[ast.stmt] = parse_source(source).body
+    except SyntaxError as exc:
+        raise CannotCarry(f"the module does not parse: {exc}") from exc
+    *parents, name = qualname.split(".")
+    node: ast.stmt | None = None
+    for part in [*parents, name]:
+        node = next(
+            (
+                s
+                for s in scope
+                if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and s.name == part
+            ),
+            None,
+        )
+        if node is None:
+            raise CannotCarry(f"no {part} (looking for {qualname})")
+        scope = node.body  # type: ignore[attr-defined]
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    if isinstance(node, ast.ClassDef):
+        return node
+    return strip_docstrings(node)
+
+
+def class_names_defined(node: ast.ClassDef) -> set[str]:
+    """Names a class body defines: defs, assignments and annotated fields."""
+    found: set[str] = set()
+    for stmt in node.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(stmt.name)
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            found.add(stmt.target.id)
+        elif isinstance(stmt, ast.Assign):
+            found.update(t.id for t in stmt.targets if isinstance(t, ast.Name))
+    return found
+
+
+def module_names(source: str) -> set[str]:
+    """Top-level names of a module: imported (as bound), defined or assigned."""
+    found: set[str] = set()
+    for stmt in parse_source(source).body:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            found.update((a.asname or a.name).split(".")[0] for a in stmt.names)
+        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(stmt.name)
+        elif isinstance(stmt, ast.Assign):
+            found.update(t.id for t in stmt.targets if isinstance(t, ast.Name))
+    return found
+
+
 __all__ = [
     "add_after_imports",
+    "add_before",
+    "ast_of",
     "body_statements",
+    "calls",
     "change_function",
+    "class_names_defined",
     "comment_line",
     "dotted",
     "find_function",
+    "forwarding_call",
     "function_code",
+    "insert_after",
+    "module_names",
     "names_called",
     "parse",
     "prepend",
+    "replace_function",
     "statements",
     "with_body",
     "with_comment",

@@ -63,11 +63,21 @@ class Target:
         The raw attribute is looked up statically through the MRO, so a
         classmethod or staticmethod comes back as its descriptor.
         """
-        owner: Any = importlib.import_module(self.module)
-        *parents, attr = self.qualname.split(".")
-        for name in parents:
-            owner = getattr(owner, name)
+        owner, attr = resolve_qualname(importlib.import_module(self.module), self.qualname)
         return owner, attr, static_lookup(owner, attr)
+
+
+def resolve_qualname(root: Any, qualname: str) -> tuple[Any, str]:
+    """(owner, attribute name) of the dotted `qualname` inside `root` (a module or a class):
+    ``resolve_qualname(module, "Class.method")`` is ``(module.Class, "method")``.
+
+    AttributeError when a parent on the way is absent; the attribute itself is not looked up.
+    """
+    owner: Any = root
+    *parents, attr = qualname.split(".")
+    for name in parents:
+        owner = getattr(owner, name)
+    return owner, attr
 
 
 _MISSING = object()

@@ -1,6 +1,7 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
 from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core.native import NativeEdit, SourceTree
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 COMMON = f"{PACKAGE}.moriio_common"
@@ -12,6 +13,12 @@ def _links() -> Links:
     from vllm_fix_handshake_port import patch, probe
 
     return Links(probe.probe, patch.recognize, patch.apply)
+
+
+def _native(tree: SourceTree) -> list[NativeEdit]:
+    from vllm_fix_handshake_port import native
+
+    return native.transform(tree)
 
 
 FIX = Fix(
@@ -75,6 +82,7 @@ FIX = Fix(
         Target(ENGINE, "MoRIIOWriter._resolve_notify_endpoint", ProcessKind.WORKER, optional=True),
     ),
     links=_links,
+    native=_native,
     notes=(
         "Both sides must run it: peers derive each other's per-rank ports from the published "
         "bases, so a patched and an unpatched instance disagree wherever one of them has "

@@ -1,6 +1,7 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
 from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core.native import NativeEdit, SourceTree
 
 MODULE = "vllm.parser.kimi_k3"
 
@@ -9,6 +10,12 @@ def _links() -> Links:
     from vllm_fix_k3_eof_flush import patch, probe
 
     return Links(probe.probe, patch.recognize, patch.apply)
+
+
+def _native(tree: SourceTree) -> list[NativeEdit]:
+    from vllm_fix_k3_eof_flush import native
+
+    return native.transform(tree)
 
 
 FIX = Fix(
@@ -49,4 +56,5 @@ FIX = Fix(
     ),
     targets=(Target(MODULE, "KimiK3Parser.parse_delta", ProcessKind.API_SERVER),),
     links=_links,
+    native=_native,
 )

@@ -1,6 +1,7 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
 from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core.native import NativeEdit, SourceTree
 
 _PKG = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 COMMON = f"{_PKG}.moriio_common"
@@ -11,6 +12,12 @@ def _links() -> Links:
     from vllm_fix_listener_port import patch, probe
 
     return Links(probe.probe, patch.recognize, patch.apply)
+
+
+def _native(tree: SourceTree) -> list[NativeEdit]:
+    from vllm_fix_listener_port import native
+
+    return native.transform(tree)
 
 
 FIX = Fix(
@@ -53,6 +60,7 @@ FIX = Fix(
         Target(CONNECTOR, "MoRIIOConnectorWorker.__init__", ProcessKind.WORKER),
     ),
     links=_links,
+    native=_native,
     # moriio_connector imports moriio_common itself, and the worker can only call
     # from_vllm_config after moriio_connector is imported.
     trigger=CONNECTOR,

@@ -1,6 +1,7 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
 from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core.native import NativeEdit, SourceTree
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 
@@ -9,6 +10,12 @@ def _links() -> Links:
     from vllm_fix_mr_extent import patch, probe
 
     return Links(probe.probe, patch.recognize, patch.apply)
+
+
+def _native(tree: SourceTree) -> list[NativeEdit]:
+    from vllm_fix_mr_extent import native
+
+    return native.transform(tree)
 
 
 FIX = Fix(
@@ -47,6 +54,7 @@ FIX = Fix(
     ),
     targets=(Target(MODULE, "MoRIIOConnectorWorker._build_shared_kv_mr", ProcessKind.WORKER),),
     links=_links,
+    native=_native,
     notes=(
         "vLLM before 0.29.0 registers no shared KV memory region (no _build_shared_kv_mr): "
         "not applicable there.",

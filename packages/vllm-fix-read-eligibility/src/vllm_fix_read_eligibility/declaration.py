@@ -1,6 +1,7 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
 from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core.native import NativeEdit, SourceTree
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 
@@ -9,6 +10,12 @@ def _links() -> Links:
     from vllm_fix_read_eligibility import patch, probe
 
     return Links(probe.probe, patch.recognize, patch.apply)
+
+
+def _native(tree: SourceTree) -> list[NativeEdit]:
+    from vllm_fix_read_eligibility import native
+
+    return native.transform(tree)
 
 
 FIX = Fix(
@@ -54,4 +61,5 @@ FIX = Fix(
     ),
     targets=(Target(MODULE, "MoRIIOConnectorScheduler.get_num_new_matched_tokens", ProcessKind.ENGINE_CORE),),
     links=_links,
+    native=_native,
 )

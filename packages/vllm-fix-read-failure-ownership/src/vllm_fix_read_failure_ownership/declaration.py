@@ -1,6 +1,7 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
 from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core.native import NativeEdit, SourceTree
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 
@@ -9,6 +10,12 @@ def _links() -> Links:
     from vllm_fix_read_failure_ownership import patch, probe
 
     return Links(probe.probe, patch.recognize, patch.apply)
+
+
+def _native(tree: SourceTree) -> list[NativeEdit]:
+    from vllm_fix_read_failure_ownership import native
+
+    return native.transform(tree)
 
 
 FIX = Fix(
@@ -45,6 +52,7 @@ FIX = Fix(
     ),
     targets=(Target(MODULE, "MoRIIOConnectorWorker._pop_done_transfers", ProcessKind.WORKER),),
     links=_links,
+    native=_native,
     notes=(
         "Hybrid fail-closed sends no release: the producer reclaims through its own "
         "timeout (0.33.0: READ deferred-send reaper, defer_timeout, default 60 s).",

@@ -1,6 +1,7 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
 from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core.native import NativeEdit, SourceTree
 
 MODULE = "vllm.v1.worker.gpu.kv_connector"
 
@@ -9,6 +10,12 @@ def _links() -> Links:
     from vllm_fix_sync_load_context import patch, probe
 
     return Links(probe.probe, patch.recognize, patch.apply)
+
+
+def _native(tree: SourceTree) -> list[NativeEdit]:
+    from vllm_fix_sync_load_context import native
+
+    return native.transform(tree)
 
 
 FIX = Fix(
@@ -53,6 +60,7 @@ FIX = Fix(
     # probe run the real GPUModelRunner.execute_model.
     trigger="vllm.v1.worker.gpu.model_runner",
     links=_links,
+    native=_native,
     notes=(
         "slot_mapping and ubatch_slices of the step are left empty; no in-tree connector reads "
         "them in start_load_kv.",

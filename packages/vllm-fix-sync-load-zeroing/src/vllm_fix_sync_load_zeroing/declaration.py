@@ -1,6 +1,7 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
 from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
+from vllm_fix_core.native import NativeEdit, SourceTree
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
 
@@ -9,6 +10,12 @@ def _links() -> Links:
     from vllm_fix_sync_load_zeroing import patch, probe
 
     return Links(probe.probe, patch.recognize, patch.apply)
+
+
+def _native(tree: SourceTree) -> list[NativeEdit]:
+    from vllm_fix_sync_load_zeroing import native
+
+    return native.transform(tree)
 
 
 FIX = Fix(
@@ -53,6 +60,7 @@ FIX = Fix(
         Target(MODULE, "MoRIIOConnector.get_sync_load_block_ids", ProcessKind.ENGINE_CORE, optional=True),
     ),
     links=_links,
+    native=_native,
     notes=(
         "Layout coverage as computed: LBHNC, LBNHC, BLHNC and BLNHC are covered on every release; "
         "LHBNC and BHLNC only where MoRIIO's READ copies head slices (0.33.0). vLLM's resolver gives "
