@@ -167,9 +167,14 @@ def _package_session(pkg: workspace.Package, target: str) -> None:
             "for d in m.distributions() if d.metadata['Name'].startswith('vllm-fix')))",
             silent=False,
         )
-        # A native carry's tests (test_*_native.py: each asks the tree in child processes) run on
-        # the newest target; older releases are carried by the backport and matrix fork sessions.
-        natives = [] if target == TARGETS[-1] else ["--ignore-glob=*/test_*_native.py"]
+        # A native carry's tests (test_*_native.py, core's test_backport.py: each asks a tree in
+        # child processes) run on the newest target; older releases are carried by the backport
+        # sessions and the matrix cells' fork workflow.
+        natives = (
+            []
+            if target == TARGETS[-1]
+            else ["--ignore-glob=*/test_*_native.py", "--ignore-glob=*/test_backport.py"]
+        )
         _pytest(session, target, [str(pkg.tests)], "-m", "not stress", *natives)
 
     session_fn.__doc__ = f"{pkg.name} alone on vLLM {target}"
@@ -199,16 +204,13 @@ def _combined(target: str) -> None:
     nox.session(name=f"combined-{target}", python=PYTHON, tags=["combined", f"vllm-{target}"])(session_fn)
 
 
-FORK_BACKPORT_TARGET = "0.32.0"
-
-
 def _integration(target: str) -> None:
     def session_fn(session: nox.Session) -> None:
         _all_installed(session, target)
         meta = workspace.by_name()[workspace.META]
-        # `backport --write` on a fork tree runs on one target (0.33.0's natives run in its package
-        # sessions): the fork workflow's backport tests are left out on the other.
-        only = [] if target == FORK_BACKPORT_TARGET else ["-k", "not backport"]
+        # The fork workflow's `backport --write` runs in the matrix cell of an older release (and in
+        # combined-<target>); each target's natives are tested in its package sessions.
+        only = ["-k", "not backport"]
         _pytest(session, target, [str(ROOT / "integration"), str(meta.tests)], "-m", "not stress", *only)
 
     session_fn.__doc__ = (
@@ -216,8 +218,7 @@ def _integration(target: str) -> None:
         f"on vLLM {target}; CI's focused form of combined-{target} (each package's own tests run "
         "in its own session)"
     )
-    lane = "lane-a" if target == FORK_BACKPORT_TARGET else "lane-b"
-    tags = ["ci", lane, "integration", f"vllm-{target}"]
+    tags = ["ci", "lane-a", "integration", f"vllm-{target}"]
     nox.session(name=f"integration-{target}", python=PYTHON, tags=tags)(session_fn)
 
 
@@ -467,7 +468,7 @@ for _release in vllm_env.RELEASES:
 # ------------------------------------------------------------------ vllm-fixes backport
 # The release CI carries every fix that has a native transformation into with the command, the
 # patch git-applied (the full grid, `nox -t backport`, takes every release of the matrix; CI's
-# other native checks: 0.33.0 in the package sessions, 0.32.0 and 0.17.1 in the fork workflow).
+# other native checks: 0.33.0 in the package sessions, 0.17.1 in its matrix cell's fork workflow).
 BACKPORT_FOCUSED = ("0.20.2",)
 
 

@@ -12,9 +12,8 @@ pytest.importorskip("libcst")
 
 from vllm_fix_bind_failure import FIX, native
 from vllm_fix_bind_failure.declaration import CONNECTOR, ENGINE
-from vllm_fix_core.backport import Carried, Result, ask_tree, carry, scratch_copy, write_edits
-from vllm_fix_core.native import SourceTree
-from vllm_fix_testing.native_trees import assert_git_applies, installed_tree, run_in_tree
+from vllm_fix_core.backport import Carried
+from vllm_fix_testing import native_trees as nt
 
 # The notify listener of a MoRIIOWrapper on a port another listener holds.
 NOTIFY_ON_A_TAKEN_PORT = """
@@ -39,17 +38,13 @@ print(json.dumps({"port": port, "error": error, "alive": wrapper.notify_thread.i
 
 
 @pytest.fixture(scope="module")
-def carried(tmp_path_factory: pytest.TempPathFactory) -> tuple[SourceTree, Result, SourceTree]:
+def carried(tmp_path_factory: pytest.TempPathFactory) -> nt.Carry:
     """(the release's tree, the carry's result, a copy of the tree with the edits written)."""
-    tree = installed_tree(tmp_path_factory.mktemp("tree"))
-    result = carry(FIX, tree, tmp_path_factory.mktemp("work"))
-    changed = scratch_copy(tree, tmp_path_factory.mktemp("changed"))
-    write_edits(changed.root, result.edits)
-    return tree, result, changed
+    return nt.carried_trees(FIX, tmp_path_factory.mktemp)
 
 
 def test_carry_is_written_and_touches_only_the_bug_s_functions(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     tree, result, _ = carried
     assert result.result is Carried.WRITTEN, result.reason
@@ -69,60 +64,41 @@ def test_carry_is_written_and_touches_only_the_bug_s_functions(
     assert removed == ["ready_event = threading.Event()"]
 
 
-def test_the_diff_applies_to_a_clean_copy(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_the_diff_applies_to_a_clean_copy(carried: nt.Carry, tmp_path: Path) -> None:
     _, result, _ = carried
-    assert_git_applies(result.edits, tmp_path)
+    nt.assert_git_applies(result.edits, tmp_path)
 
 
 def test_the_probe_sees_the_bug_on_the_plain_tree_and_not_on_the_changed_one(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     tree, _, changed = carried
-    plain = ask_tree(tree, FIX)  # negative control: the release, runtime fixes off
-    assert plain["answer"] == "would fix", plain
-    for check in ("start-up-waits-on-dead-handshake-listener", "notify-bind-failure-unseen"):
-        assert check in plain["reason"]
-    fixed = ask_tree(changed, FIX)
-    assert fixed["answer"] == "fixed upstream", fixed
+    checks = ("start-up-waits-on-dead-handshake-listener", "notify-bind-failure-unseen")
+    nt.assert_probe_tells(FIX, tree, changed, *checks)  # negative control: the plain tree
 
 
 def test_a_taken_notify_port_fails_with_the_port_and_the_setting(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     tree, _, changed = carried
-    plain = run_in_tree(tree, NOTIFY_ON_A_TAKEN_PORT)
+    plain = nt.run_in_tree(tree, NOTIFY_ON_A_TAKEN_PORT)
     assert plain["error"] == "" and not plain["alive"]  # returned; its listener died unseen
-    fixed = run_in_tree(changed, NOTIFY_ON_A_TAKEN_PORT)
+    fixed = nt.run_in_tree(changed, NOTIFY_ON_A_TAKEN_PORT)
     assert str(fixed["port"]) in fixed["error"]
     assert "Address already in use" in fixed["error"] and "notify_port" in fixed["error"]
 
 
-def test_a_drifted_listener_cannot_be_carried(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_a_drifted_listener_cannot_be_carried(carried: nt.Carry, tmp_path: Path) -> None:
     """The runtime fix refuses a handshake listener that is no longer a staticmethod of
     (metadata, ready_event, base_port, ...); so does the native carry, and nothing is written."""
     tree, _, _ = carried
-    drifted = scratch_copy(tree, tmp_path / "drifted")
-    path = drifted.path_of(CONNECTOR)
-    text = path.read_text(encoding="utf-8")
     old = "        ready_event: threading.Event,\n        base_port: int,"
-    assert text.count(old) == 1
-    changed = text.replace(old, "        ready: threading.Event,\n        base_port: int,")
-    path.unlink()  # the copy is hard-linked: replace the file, never write through it
-    path.write_text(changed, encoding="utf-8")
-    result = carry(FIX, drifted, tmp_path / "work")
-    assert result.result is Carried.CANNOT
-    assert "is not (metadata, ready_event, base_port, ...)" in result.reason
-    assert result.edits == () and path.read_text(encoding="utf-8") == changed
+    new = "        ready: threading.Event,\n        base_port: int,"
+    drifted = nt.replaced(tree, tmp_path / "drifted", CONNECTOR, old, new)
+    reason = "is not (metadata, ready_event, base_port, ...)"
+    nt.assert_cannot_carry(FIX, drifted, CONNECTOR, tmp_path / "work", reason)
 
 
-def test_a_carried_tree_needs_nothing_more(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_a_carried_tree_needs_nothing_more(carried: nt.Carry, tmp_path: Path) -> None:
     _, _, changed = carried
-    again = carry(FIX, changed, tmp_path)
-    assert again.result is Carried.NOT_NEEDED, again.reason
-    assert "carries it already" in again.reason
+    nt.assert_needs_nothing_more(FIX, changed, tmp_path)

@@ -10,11 +10,10 @@ import pytest
 
 pytest.importorskip("libcst")
 
-from vllm_fix_core.backport import Carried, Result, ask_tree, carry, scratch_copy, write_edits
-from vllm_fix_core.native import SourceTree
+from vllm_fix_core.backport import Carried
 from vllm_fix_handshake_port import FIX, native
 from vllm_fix_handshake_port.declaration import COMMON, CONNECTOR
-from vllm_fix_testing.native_trees import assert_git_applies, installed_tree, run_in_tree
+from vllm_fix_testing import native_trees as nt
 
 # The notify port each rank of a DP_local x TP = 2 x 2 engine binds (vLLM's own from_vllm_config,
 # the TP group answered per rank as the probe does), and whether overlapping bases are accepted.
@@ -32,17 +31,13 @@ print(json.dumps({"ports": [ports[r] for r in sorted(ports)], "accepted": accept
 
 
 @pytest.fixture(scope="module")
-def carried(tmp_path_factory: pytest.TempPathFactory) -> tuple[SourceTree, Result, SourceTree]:
+def carried(tmp_path_factory: pytest.TempPathFactory) -> nt.Carry:
     """(the release's tree, the carry's result, a copy of the tree with the edits written)."""
-    tree = installed_tree(tmp_path_factory.mktemp("tree"))
-    result = carry(FIX, tree, tmp_path_factory.mktemp("work"))
-    changed = scratch_copy(tree, tmp_path_factory.mktemp("changed"))
-    write_edits(changed.root, result.edits)
-    return tree, result, changed
+    return nt.carried_trees(FIX, tmp_path_factory.mktemp)
 
 
 def test_carry_is_written_and_only_adds_the_tp_size_and_the_layout_check(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     tree, result, _ = carried
     assert result.result is Carried.WRITTEN, result.reason
@@ -63,62 +58,45 @@ def test_carry_is_written_and_only_adds_the_tp_size_and_the_layout_check(
         ), edit.path
 
 
-def test_the_diff_applies_to_a_clean_copy(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_the_diff_applies_to_a_clean_copy(carried: nt.Carry, tmp_path: Path) -> None:
     _, result, _ = carried
-    assert_git_applies(result.edits, tmp_path)
+    nt.assert_git_applies(result.edits, tmp_path)
 
 
 def test_the_probe_sees_the_bug_on_the_plain_tree_and_not_on_the_changed_one(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     tree, _, changed = carried
-    plain = ask_tree(tree, FIX)  # negative control: the release, runtime fixes off
-    assert plain["answer"] == "would fix", plain
-    for check in ("listener-ports-collide", "overlapping-port-blocks-accepted"):
-        assert check in plain["reason"]
-    fixed = ask_tree(changed, FIX)
-    assert fixed["answer"] == "fixed upstream", fixed
+    checks = ("listener-ports-collide", "overlapping-port-blocks-accepted")
+    nt.assert_probe_tells(FIX, tree, changed, *checks)  # negative control: the plain tree
 
 
 def test_each_rank_binds_its_own_port_and_overlapping_blocks_are_refused(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     tree, _, changed = carried
-    plain = run_in_tree(tree, LISTENERS)
+    plain = nt.run_in_tree(tree, LISTENERS)
     assert len(set(plain["ports"])) < len(plain["ports"]) and plain["accepted"]  # the bug
-    fixed = run_in_tree(changed, LISTENERS)
+    fixed = nt.run_in_tree(changed, LISTENERS)
     base = fixed["base"]
     # (dp, tp) in order (0,0) (0,1) (1,0) (1,1): base + dp * TP + tp, the spec's offsets.
     assert fixed["ports"] == [base, base + 1, base + 2, base + 3]
     assert fixed["accepted"] is False
 
 
-def test_a_caller_it_cannot_place_is_not_carried(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_a_caller_it_cannot_place_is_not_carried(carried: nt.Carry, tmp_path: Path) -> None:
     """The runtime fix refuses a tree where a function it cannot place calls get_port_offset
     without a TP size; so does the native carry, and nothing is written."""
     tree, _, _ = carried
-    drifted = scratch_copy(tree, tmp_path / "drifted")
-    path = drifted.path_of(CONNECTOR)
-    changed = path.read_text(encoding="utf-8") + (
+    caller = (
         "\n\ndef fork_notify_port(base: int, dp_rank: int, tp_rank: int) -> int:\n"
         "    return base + get_port_offset(dp_rank, tp_rank)\n"
     )
-    path.unlink()  # the copy is hard-linked: replace the file, never write through it
-    path.write_text(changed, encoding="utf-8")
-    result = carry(FIX, drifted, tmp_path / "work")
-    assert result.result is Carried.CANNOT
-    assert "fork_notify_port calls get_port_offset without a TP size" in result.reason
-    assert result.edits == () and path.read_text(encoding="utf-8") == changed
+    drifted = nt.rewritten(tree, tmp_path / "drifted", CONNECTOR, lambda text: text + caller)
+    reason = "fork_notify_port calls get_port_offset without a TP size"
+    nt.assert_cannot_carry(FIX, drifted, CONNECTOR, tmp_path / "work", reason)
 
 
-def test_a_carried_tree_needs_nothing_more(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_a_carried_tree_needs_nothing_more(carried: nt.Carry, tmp_path: Path) -> None:
     _, _, changed = carried
-    again = carry(FIX, changed, tmp_path)
-    assert again.result is Carried.NOT_NEEDED, again.reason
-    assert "carries it already" in again.reason
+    nt.assert_needs_nothing_more(FIX, changed, tmp_path)

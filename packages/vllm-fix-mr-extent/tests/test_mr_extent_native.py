@@ -4,24 +4,17 @@ registering by the rule with the runtime fix off, refused for a drifted body, id
 from __future__ import annotations
 
 import ast
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("libcst")
 
 from vllm_fix_core import ast_fingerprint, original_of
-from vllm_fix_core.backport import Carried, Result, ask_tree, carry, scratch_copy, write_edits
-from vllm_fix_core.native import SourceTree
+from vllm_fix_core.backport import Carried, ask_tree
 from vllm_fix_mr_extent import FIX, native, patch
 from vllm_fix_mr_extent.declaration import MODULE
-from vllm_fix_testing.native_trees import installed_tree
+from vllm_fix_testing import native_trees as nt
 
 # The probe's failing inputs, the KDA inputs of test_mr_extent_vllm.py and two layers on two
 # storages, run through the tree's own _build_shared_kv_mr in a child process that imports vLLM
@@ -49,32 +42,16 @@ try:
     refusal = ""
 except Exception as exc:
     refusal = f"{type(exc).__name__}: {exc}"
-print(json.dumps({"vllm": vllm.__file__, "problems": found, "two-storages": refusal}))
+print(json.dumps({"problems": found, "two-storages": refusal}))
 """
 FAILING = {"page-boundary-unaligned", "unpadded-tail", "split-kv-later-region"}
 KDA = {"kda-tail-unaligned", "kda-unpadded-tail"}
 
 
-def scenario(tree: SourceTree) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_FIXES_DISABLE": "all"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tree.root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", SCENARIO], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert Path(found["vllm"]).resolve().is_relative_to(tree.root.resolve())
-    return found
-
-
 @pytest.fixture(scope="module")
-def carried(tmp_path_factory: pytest.TempPathFactory) -> tuple[SourceTree, Result, SourceTree]:
+def carried(tmp_path_factory: pytest.TempPathFactory) -> nt.Carry:
     """(the release's tree, the carry's result, a copy of the tree with the edits written)."""
-    tree = installed_tree(tmp_path_factory.mktemp("tree"))
-    result = carry(FIX, tree, tmp_path_factory.mktemp("work"))
-    changed = scratch_copy(tree, tmp_path_factory.mktemp("changed"))
-    write_edits(changed.root, result.edits)
-    return tree, result, changed
+    return nt.carried_trees(FIX, tmp_path_factory.mktemp)
 
 
 def without_builder(source: str) -> tuple[list[str], str]:
@@ -86,55 +63,29 @@ def without_builder(source: str) -> tuple[list[str], str]:
     return lines[: method.lineno - 1] + lines[method.end_lineno :], signature
 
 
-def replaced(tree: SourceTree, tmp_path: Path, old: str, new: str) -> SourceTree:
-    """A copy of `tree` whose connector module has `old` (once) replaced by `new`."""
-    copy = scratch_copy(tree, tmp_path)
-    path = copy.path_of(MODULE)
-    text = path.read_text(encoding="utf-8")
-    assert text.count(old) == 1
-    path.unlink()  # the copy is hard-linked: replace the file, never write through it
-    path.write_text(text.replace(old, new), encoding="utf-8")
-    return copy
-
-
 def test_the_tree_is_recognised_as_the_runtime_recognises_it(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
 
     tree, _, _ = carried
     installed = ast_fingerprint(original_of(mc.MoRIIOConnectorWorker, "_build_shared_kv_mr"))
-    assert native.fingerprint(native.c.ast_of(tree.read(MODULE), native.QUALNAME)) == installed
+    assert native.node_fingerprint(native.c.ast_of(tree.read(MODULE), native.QUALNAME)) == installed
     assert native.recognize(tree) == patch.recognize()
 
 
-def test_the_plain_tree_has_the_bug(carried: tuple[SourceTree, Result, SourceTree]) -> None:
+def test_the_plain_tree_has_the_bug(carried: nt.Carry) -> None:
     tree, _, _ = carried
     assert ask_tree(tree, FIX)["answer"] == "would fix"
 
 
-def test_the_diff_applies_to_a_clean_copy(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_the_diff_applies_to_a_clean_copy(carried: nt.Carry, tmp_path: Path) -> None:
     _, result, _ = carried
-    git = shutil.which("git")
-    if git is None:
-        pytest.skip("git is not installed")
-    clean = tmp_path / "clean"
-    for edit in result.edits:
-        (clean / edit.path).parent.mkdir(parents=True, exist_ok=True)
-        (clean / edit.path).write_text(edit.before, encoding="utf-8")
-    patch_file = tmp_path / "carry.patch"
-    patch_file.write_text("".join(e.diff() for e in result.edits), encoding="utf-8")
-    subprocess.run([git, "init", "-q", str(clean)], check=True)
-    subprocess.run([git, "-C", str(clean), "apply", "--check", str(patch_file)], check=True)
-    subprocess.run([git, "-C", str(clean), "apply", str(patch_file)], check=True)
-    for edit in result.edits:
-        assert (clean / edit.path).read_text(encoding="utf-8") == edit.after
+    nt.assert_git_applies(result.edits, tmp_path)
 
 
 def test_carry_is_written_and_changes_only_the_builder(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     tree, result, changed = carried
     assert result.result is Carried.WRITTEN, result.reason
@@ -149,10 +100,10 @@ def test_carry_is_written_and_changes_only_the_builder(
 
 
 def test_negative_controls_pass_on_the_changed_tree_and_fail_on_the_plain_one(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     tree, _, changed = carried
-    plain, fixed = scenario(tree), scenario(changed)
+    plain, fixed = nt.run_in_tree(tree, SCENARIO), nt.run_in_tree(changed, SCENARIO)
     # Unchanged tree: every failing input (and each KDA one) breaks the contract; the control holds.
     assert all(plain["problems"][name] for name in FAILING | KDA), plain["problems"]
     assert "shared KV backing too small" in plain["problems"]["unpadded-tail"][0]
@@ -165,36 +116,26 @@ def test_negative_controls_pass_on_the_changed_tree_and_fail_on_the_plain_one(
     assert "'attn0'" in fixed["two-storages"]
 
 
-def test_a_drifted_body_cannot_be_carried(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_a_drifted_body_cannot_be_carried(carried: nt.Carry, tmp_path: Path) -> None:
     """The runtime fix replaces only the exactly fingerprinted body; so does the native carry
     (here a builder that rounds its registration to 8 KiB: the probe still sees the bug)."""
     tree, _, _ = carried
-    drifted = replaced(tree, tmp_path / "drifted", "        page_size = 4096\n", "        page_size = 8192\n")
-    result = carry(FIX, drifted, tmp_path / "work")
-    assert result.result is Carried.CANNOT
-    assert "has normalized AST" in result.reason and "not a known shape" in result.reason
-    assert result.edits == ()
+    old, new = "        page_size = 4096\n", "        page_size = 8192\n"
+    drifted = nt.replaced(tree, tmp_path / "drifted", MODULE, old, new)
+    nt.assert_cannot_carry(FIX, drifted, MODULE, tmp_path / "work", "has normalized AST", "not a known shape")
     assert "page_size = 8192" in drifted.read(MODULE)
 
 
-def test_a_tree_without_the_region_iterator_cannot_be_carried(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_a_tree_without_the_region_iterator_cannot_be_carried(carried: nt.Carry, tmp_path: Path) -> None:
     tree, _, _ = carried
     text = tree.read(MODULE)
     old = "    iter_layer_registration_regions,\n"
     assert text.count(old) == 1
-    drifted = replaced(tree, tmp_path / "no-iter", old, "")
+    drifted = nt.replaced(tree, tmp_path / "no-iter", MODULE, old, "")
     with pytest.raises(native.CannotCarry, match="no longer imports iter_layer_registration_regions"):
         native.transform(drifted)
 
 
-def test_a_carried_tree_needs_nothing_more(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_a_carried_tree_needs_nothing_more(carried: nt.Carry, tmp_path: Path) -> None:
     _, _, changed = carried
-    again = carry(FIX, changed, tmp_path)
-    assert again.result is Carried.NOT_NEEDED, again.reason
-    assert "carries it already" in again.reason
+    nt.assert_needs_nothing_more(FIX, changed, tmp_path)

@@ -3,24 +3,17 @@ failing hybrid READs closed with the runtime fix off, refused for a drifted body
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("libcst")
 
 from vllm_fix_core import ast_fingerprint, original_of
-from vllm_fix_core.backport import Carried, Result, ask_tree, carry, scratch_copy, write_edits
-from vllm_fix_core.native import SourceTree
+from vllm_fix_core.backport import Carried, ask_tree
 from vllm_fix_read_failure_ownership import FIX, native, patch
 from vllm_fix_read_failure_ownership.declaration import MODULE
-from vllm_fix_testing.native_trees import installed_tree
+from vllm_fix_testing import native_trees as nt
 
 # The probe's scenarios (vLLM's own MoRIIOWrapper and get_finished, frozen MORI statuses), and
 # a hybrid poll where one READ fails while another completes, through the tree's own
@@ -66,82 +59,39 @@ found["mixed"] = {
     "releases": sent.count("release"),
     "tracked": sorted(worker._recving_transfers),
 }
-print(json.dumps({"vllm": vllm.__file__, "outcomes": found}))
+print(json.dumps({"outcomes": found}))
 """
 
 
-def scenario(tree: SourceTree) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_FIXES_DISABLE": "all"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tree.root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", SCENARIO], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert Path(found["vllm"]).resolve().is_relative_to(tree.root.resolve())
-    outcomes: dict[str, Any] = found["outcomes"]
-    return outcomes
-
-
 @pytest.fixture(scope="module")
-def carried(tmp_path_factory: pytest.TempPathFactory) -> tuple[SourceTree, Result, SourceTree]:
+def carried(tmp_path_factory: pytest.TempPathFactory) -> nt.Carry:
     """(the release's tree, the carry's result, a copy of the tree with the edits written)."""
-    tree = installed_tree(tmp_path_factory.mktemp("tree"))
-    result = carry(FIX, tree, tmp_path_factory.mktemp("work"))
-    changed = scratch_copy(tree, tmp_path_factory.mktemp("changed"))
-    write_edits(changed.root, result.edits)
-    return tree, result, changed
-
-
-def replaced(tree: SourceTree, tmp_path: Path, old: str, new: str) -> SourceTree:
-    """A copy of `tree` whose connector module has `old` (once) replaced by `new`."""
-    copy = scratch_copy(tree, tmp_path)
-    path = copy.path_of(MODULE)
-    text = path.read_text(encoding="utf-8")
-    assert text.count(old) == 1
-    path.unlink()  # the copy is hard-linked: replace the file, never write through it
-    path.write_text(text.replace(old, new), encoding="utf-8")
-    return copy
+    return nt.carried_trees(FIX, tmp_path_factory.mktemp)
 
 
 def test_the_tree_is_recognised_as_the_runtime_recognises_it(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector as mc
 
     tree, _, _ = carried
     installed = ast_fingerprint(original_of(mc.MoRIIOConnectorWorker, native.TARGET))
-    assert native.fingerprint(native.c.ast_of(tree.read(MODULE), native.QUALNAME)) == installed
+    assert native.node_fingerprint(native.c.ast_of(tree.read(MODULE), native.QUALNAME)) == installed
     assert native.recognize(tree) == patch.recognize()
 
 
-def test_the_plain_tree_has_the_bug(carried: tuple[SourceTree, Result, SourceTree]) -> None:
+def test_the_plain_tree_has_the_bug(carried: nt.Carry) -> None:
     tree, _, _ = carried
     assert ask_tree(tree, FIX)["answer"] == "would fix"
 
 
-def test_the_diff_applies_to_a_clean_copy(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_the_diff_applies_to_a_clean_copy(carried: nt.Carry, tmp_path: Path) -> None:
     _, result, _ = carried
-    git = shutil.which("git")
-    if git is None:
-        pytest.skip("git is not installed")
-    clean = tmp_path / "clean"
-    for edit in result.edits:
-        (clean / edit.path).parent.mkdir(parents=True, exist_ok=True)
-        (clean / edit.path).write_text(edit.before, encoding="utf-8")
-    patch_file = tmp_path / "carry.patch"
-    patch_file.write_text("".join(e.diff() for e in result.edits), encoding="utf-8")
-    subprocess.run([git, "init", "-q", str(clean)], check=True)
-    subprocess.run([git, "-C", str(clean), "apply", "--check", str(patch_file)], check=True)
-    subprocess.run([git, "-C", str(clean), "apply", str(patch_file)], check=True)
-    for edit in result.edits:
-        assert (clean / edit.path).read_text(encoding="utf-8") == edit.after
+    nt.assert_git_applies(result.edits, tmp_path)
 
 
 def test_carry_is_written_and_only_adds_lines_to_the_method(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     tree, result, changed = carried
     assert result.result is Carried.WRITTEN, result.reason
@@ -160,10 +110,10 @@ def test_carry_is_written_and_only_adds_lines_to_the_method(
 
 
 def test_negative_controls_pass_on_the_changed_tree_and_fail_on_the_plain_one(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     tree, _, changed = carried
-    plain, fixed = scenario(tree), scenario(changed)
+    plain, fixed = (nt.run_in_tree(t, SCENARIO)["outcomes"] for t in (tree, changed))
     holders = 2 if "_send_read_release" in tree.read(MODULE) else 1
     closed = {"raised": "TransferError", "releases": 0, "tracked": True, "forgotten": False, "reported": []}
     # Unchanged tree: a hybrid failure releases the producer and forgets the transfer; a
@@ -185,9 +135,7 @@ def test_negative_controls_pass_on_the_changed_tree_and_fail_on_the_plain_one(
     assert fixed["mixed"]["releases"] == holders and fixed["mixed"]["tracked"] == ["req-failed"]
 
 
-def test_a_drifted_body_cannot_be_carried(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_a_drifted_body_cannot_be_carried(carried: nt.Carry, tmp_path: Path) -> None:
     """The runtime fix changes only an exactly fingerprinted body; so does the native carry
     (here a body that no longer reports the blocks of a timed-out READ: the probe still sees
     the bug)."""
@@ -196,27 +144,19 @@ def test_a_drifted_body_cannot_be_carried(
     method = native.c.function_code(text, native.QUALNAME)
     old = "                        self._record_failed_recv(req_id)\n                        to_remove"
     assert text.count(old) == 1 and "_record_failed_recv" in method
-    drifted = replaced(tree, tmp_path / "drifted", old, "                        to_remove")
-    result = carry(FIX, drifted, tmp_path / "work")
-    assert result.result is Carried.CANNOT
-    assert "normalized-AST fingerprint" in result.reason and "not one of the known shapes" in result.reason
-    assert result.edits == ()
+    drifted = nt.replaced(tree, tmp_path / "drifted", MODULE, old, "                        to_remove")
+    reasons = ("normalized-AST fingerprint", "not one of the known shapes")
+    nt.assert_cannot_carry(FIX, drifted, MODULE, tmp_path / "work", *reasons)
     assert drifted.read(MODULE) == text.replace(old, "                        to_remove")
 
 
-def test_a_tree_without_transfer_error_cannot_be_carried(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_a_tree_without_transfer_error_cannot_be_carried(carried: nt.Carry, tmp_path: Path) -> None:
     tree, _, _ = carried
-    drifted = replaced(tree, tmp_path / "no-error", "    TransferError,\n", "")
+    drifted = nt.replaced(tree, tmp_path / "no-error", MODULE, "    TransferError,\n", "")
     with pytest.raises(native.CannotCarry, match="no module-level TransferError"):
         native.transform(drifted)
 
 
-def test_a_carried_tree_needs_nothing_more(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_a_carried_tree_needs_nothing_more(carried: nt.Carry, tmp_path: Path) -> None:
     _, _, changed = carried
-    again = carry(FIX, changed, tmp_path)
-    assert again.result is Carried.NOT_NEEDED, again.reason
-    assert "carries it already" in again.reason
+    nt.assert_needs_nothing_more(FIX, changed, tmp_path)

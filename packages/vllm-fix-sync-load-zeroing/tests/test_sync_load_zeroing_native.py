@@ -8,24 +8,19 @@ take it), and the release itself needs nothing.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("libcst")
 
-from vllm_fix_core.backport import Carried, Result, ask_tree, carry, scratch_copy, write_edits
+from vllm_fix_core.backport import Carried, ask_tree, carry
 from vllm_fix_core.native import CannotCarry, SourceTree
 from vllm_fix_sync_load_zeroing import FIX, native
 from vllm_fix_sync_load_zeroing.declaration import MODULE
+from vllm_fix_testing import native_trees as nt
 from vllm_fix_testing import vllm_version
-from vllm_fix_testing.native_trees import installed_tree
 
 # The probe's decision table through the tree's own build_connector_meta, in a child process
 # that imports vLLM from the tree with every runtime fix off: what each case zeroes under a
@@ -42,33 +37,15 @@ for layout in ("LBNHC", "LHBNC", None):
     for case in probe.CASES:
         zeroed, reads = probe.observed_zeroing_meta(mc, case, layout)
         found[f"{case.name}/{layout}"] = {"zeroed": zeroed, "reads": len(reads)}
-print(json.dumps({"vllm": vllm.__file__, "found": found}))
+print(json.dumps({"found": found}))
 """
 ZERO = [7, 8, 9, 90]
 EXCLUDED = {"attn-import": [9, 90], "two-reads": [9, 90]}
 
 
-def scenario(tree: SourceTree) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_FIXES_DISABLE": "all"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tree.root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", SCENARIO], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert Path(found["vllm"]).resolve().is_relative_to(tree.root.resolve())
-    cases: dict[str, Any] = found["found"]
-    return cases
-
-
-def rewritten(tree: SourceTree, dest: Path, change: Any) -> SourceTree:
+def lines_rewritten(tree: SourceTree, dest: Path, change: Callable[[list[str]], list[str]]) -> SourceTree:
     """A copy of `tree` whose connector module's lines are `change(lines)`."""
-    copy = scratch_copy(tree, dest)
-    path = copy.path_of(MODULE)
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    path.unlink()  # the copy is hard-linked: replace the file, never write through it
-    path.write_text("".join(change(lines)), encoding="utf-8")
-    return copy
+    return nt.rewritten(tree, dest, MODULE, lambda text: "".join(change(text.splitlines(keepends=True))))
 
 
 def without_upstream_exclusion(tree: SourceTree, dest: Path) -> SourceTree:
@@ -83,48 +60,29 @@ def without_upstream_exclusion(tree: SourceTree, dest: Path) -> SourceTree:
     ]
     assert len(blocks) == 1 and blocks[0].end_lineno is not None
     first, last = blocks[0].lineno, blocks[0].end_lineno
-    return rewritten(tree, dest, lambda lines: lines[: first - 1] + lines[last:])
+    return lines_rewritten(tree, dest, lambda lines: lines[: first - 1] + lines[last:])
 
 
 @pytest.fixture(scope="module")
-def carried(tmp_path_factory: pytest.TempPathFactory) -> tuple[SourceTree, Result, SourceTree]:
+def carried(tmp_path_factory: pytest.TempPathFactory) -> nt.Carry:
     """(a tree that needs the fix, the carry's result, a copy of it with the edits written)."""
-    release = installed_tree(tmp_path_factory.mktemp("release"))
-    tree = release
+    tree = nt.installed_tree(tmp_path_factory.mktemp("release"))
     if str(vllm_version()) != "0.31.0":
-        tree = without_upstream_exclusion(release, tmp_path_factory.mktemp("fork"))
-    result = carry(FIX, tree, tmp_path_factory.mktemp("work"))
-    changed = scratch_copy(tree, tmp_path_factory.mktemp("changed"))
-    write_edits(changed.root, result.edits)
-    return tree, result, changed
+        tree = without_upstream_exclusion(tree, tmp_path_factory.mktemp("fork"))
+    return nt.carried_trees(FIX, tmp_path_factory.mktemp, tree)
 
 
-def test_the_plain_tree_has_the_bug(carried: tuple[SourceTree, Result, SourceTree]) -> None:
+def test_the_plain_tree_has_the_bug(carried: nt.Carry) -> None:
     tree, _, _ = carried
     assert ask_tree(tree, FIX)["answer"] == "would fix"
 
 
-def test_the_diff_applies_to_a_clean_copy(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_the_diff_applies_to_a_clean_copy(carried: nt.Carry, tmp_path: Path) -> None:
     _, result, _ = carried
-    git = shutil.which("git")
-    if git is None:
-        pytest.skip("git is not installed")
-    clean = tmp_path / "clean"
-    for edit in result.edits:
-        (clean / edit.path).parent.mkdir(parents=True, exist_ok=True)
-        (clean / edit.path).write_text(edit.before, encoding="utf-8")
-    patch_file = tmp_path / "carry.patch"
-    patch_file.write_text("".join(e.diff() for e in result.edits), encoding="utf-8")
-    subprocess.run([git, "init", "-q", str(clean)], check=True)
-    subprocess.run([git, "-C", str(clean), "apply", "--check", str(patch_file)], check=True)
-    subprocess.run([git, "-C", str(clean), "apply", str(patch_file)], check=True)
-    for edit in result.edits:
-        assert (clean / edit.path).read_text(encoding="utf-8") == edit.after
+    nt.assert_git_applies(result.edits, tmp_path)
 
 
-def test_carry_is_written_and_only_adds_lines(carried: tuple[SourceTree, Result, SourceTree]) -> None:
+def test_carry_is_written_and_only_adds_lines(carried: nt.Carry) -> None:
     tree, result, changed = carried
     assert result.result is Carried.WRITTEN, result.reason
     assert [e.path for e in result.edits] == [tree.relpath(MODULE)]
@@ -140,10 +98,10 @@ def test_carry_is_written_and_only_adds_lines(carried: tuple[SourceTree, Result,
 
 
 def test_negative_controls_pass_on_the_changed_tree_and_fail_on_the_plain_one(
-    carried: tuple[SourceTree, Result, SourceTree],
+    carried: nt.Carry,
 ) -> None:
     tree, _, changed = carried
-    plain, fixed = scenario(tree), scenario(changed)
+    plain, fixed = (nt.run_in_tree(t, SCENARIO)["found"] for t in (tree, changed))
     # Unchanged tree: the READ destinations 7 and 8 are zeroed in the READ's own step (the bug).
     assert plain["attn-import/LBNHC"]["zeroed"] == ZERO
     assert all(v["zeroed"] == ZERO for v in plain.values())
@@ -157,9 +115,7 @@ def test_negative_controls_pass_on_the_changed_tree_and_fail_on_the_plain_one(
         assert value["reads"] == plain[key]["reads"], key  # the READs still reach the metadata
 
 
-def test_other_shapes_cannot_be_carried(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_other_shapes_cannot_be_carried(carried: nt.Carry, tmp_path: Path) -> None:
     """A build_connector_meta of another signature is refused by the runtime fix (the probe,
     calling it positionally, still sees the bug); the native carry refuses it too, and
     writes nothing."""
@@ -171,31 +127,24 @@ def test_other_shapes_cannot_be_carried(
         assert lines[signature].strip() == "scheduler_output: SchedulerOutput,", lines[signature]
         return [*lines[: signature + 1], "        trace: bool = False,\n", *lines[signature + 1 :]]
 
-    drifted = rewritten(tree, tmp_path / "drifted", drift)
-    before = drifted.read(MODULE)
-    result = carry(FIX, drifted, tmp_path / "work")
-    assert result.result is Carried.CANNOT
-    assert "unexpected signature build_connector_meta('self', 'scheduler_output', 'trace')" in result.reason
-    assert result.edits == () and drifted.read(MODULE) == before
+    drifted = lines_rewritten(tree, tmp_path / "drifted", drift)
+    reason = "unexpected signature build_connector_meta('self', 'scheduler_output', 'trace')"
+    nt.assert_cannot_carry(FIX, drifted, MODULE, tmp_path / "work", reason)
 
 
-def test_the_release_itself(carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path) -> None:
+def test_the_release_itself(carried: nt.Carry, tmp_path: Path) -> None:
     """0.32.0 and 0.33.0 need nothing, and their exclusion is not written twice."""
     if str(vllm_version()) == "0.31.0":
         pytest.skip("vLLM 0.31.0 is the release that needs the fix (the tests above)")
-    release = installed_tree(tmp_path / "release")
+    release = nt.installed_tree(tmp_path / "release")
     result = carry(FIX, release, tmp_path / "work")
     assert result.result is Carried.NOT_NEEDED, result.reason
     with pytest.raises(CannotCarry, match="already changes new_block_ids_to_zero"):
         native.transform(release)
 
 
-def test_a_carried_tree_needs_nothing_more(
-    carried: tuple[SourceTree, Result, SourceTree], tmp_path: Path
-) -> None:
+def test_a_carried_tree_needs_nothing_more(carried: nt.Carry, tmp_path: Path) -> None:
     _, _, changed = carried
-    again = carry(FIX, changed, tmp_path)
-    assert again.result is Carried.NOT_NEEDED, again.reason
-    assert "carries it already" in again.reason
+    nt.assert_needs_nothing_more(FIX, changed, tmp_path)
     with pytest.raises(CannotCarry, match="already changes new_block_ids_to_zero"):
         native.transform(changed)

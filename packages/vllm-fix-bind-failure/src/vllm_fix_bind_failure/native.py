@@ -51,11 +51,6 @@ class {READY_CLASS}(threading.Event):
 '''
 
 
-def _params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
-    args = node.args
-    return [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
-
-
 def _function(source: str, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
     node = c.ast_of(source, qualname)
     if isinstance(node, ast.ClassDef):
@@ -68,11 +63,11 @@ def _recognize(tree: SourceTree) -> None:
     connector, engine = tree.read(CONNECTOR), tree.read(ENGINE)
     listener = _function(connector, LISTENER)
     static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in listener.decorator_list)
-    if not static or _params(listener)[:3] != ["metadata", "ready_event", "base_port"]:
+    if not static or c.param_names(listener)[:3] != ["metadata", "ready_event", "base_port"]:
         raise CannotCarry(
             "MoRIIOConnectorWorker._moriio_handshake_listener is not (metadata, ready_event, base_port, ...)"
         )
-    if _params(_function(engine, NOTIFY)) != ["self"]:
+    if c.param_names(_function(engine, NOTIFY)) != ["self"]:
         raise CannotCarry("MoRIIOWrapper.async_wait_reqid takes arguments")
     for module in (ENGINE, CONNECTOR):
         if "zmq_ctx" not in c.module_names(tree.read(module)):
@@ -85,7 +80,7 @@ def _recognize(tree: SourceTree) -> None:
                 break
             except CannotCarry:
                 continue
-    if zmq_ctx is None or _params(zmq_ctx)[:2] != ["socket_type", "addr"]:
+    if zmq_ctx is None or c.param_names(zmq_ctx)[:2] != ["socket_type", "addr"]:
         raise CannotCarry("moriio_engine.zmq_ctx is not zmq_ctx(socket_type, addr)")
     for module, names in ((CONNECTOR, ("threading", "logger")), (ENGINE, ("threading", "logger"))):
         missing = [n for n in names if n not in c.module_names(tree.read(module))]

@@ -28,7 +28,6 @@ from __future__ import annotations
 import ast
 import inspect
 import re
-import types
 from dataclasses import dataclass
 
 import libcst as cst
@@ -193,33 +192,6 @@ def _completion_update_output(connector: Any, connector_output: KVConnectorOutpu
 AGGREGATE_RECORD = "_completion_ledger(self).record_finished({request}.request_id, owners)"
 
 
-def source_function(tree: SourceTree, module: str, qualname: str) -> types.FunctionType:
-    """The function at `qualname` compiled from the tree's file (never executed): what the
-    runtime's fingerprints read of an imported function."""
-    source = tree.read(module)
-    try:
-        code = compile(source, str(tree.path_of(module)), "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        raise CannotCarry(f"{tree.relpath(module)} does not compile: {exc}") from exc
-    stack = [code]
-    while stack:
-        for const in stack.pop().co_consts:
-            if isinstance(const, types.CodeType):
-                if const.co_qualname == qualname:
-                    return types.FunctionType(const, {})
-                stack.append(const)
-    raise CannotCarry(f"{tree.relpath(module)} has no {qualname}")
-
-
-def _params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
-    args = node.args
-    names = [a.arg for a in (*args.posonlyargs, *args.args)]
-    names += [args.vararg.arg] if args.vararg else []
-    names += [a.arg for a in args.kwonlyargs]
-    names += [args.kwarg.arg] if args.kwarg else []
-    return names
-
-
 def _fields(node: ast.ClassDef) -> list[str]:
     return [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
 
@@ -255,7 +227,7 @@ class Shape:
 
 
 def _fingerprint_known(tree: SourceTree, name: str) -> str:
-    found = ast_fingerprint(source_function(tree, MODULE, f"{CLASS}.{name}"))
+    found = ast_fingerprint(tree.function(MODULE, f"{CLASS}.{name}"))
     if found not in shapes.REPLACED_KNOWN[name]:
         raise CannotCarry(
             f"MultiConnector.{name} changed (fingerprint {found}, known "
@@ -273,7 +245,7 @@ def _check_structure(source: str, defined: set[str]) -> None:
             raise CannotCarry(f"MultiConnector.{name} is not defined on the class")
         method = c.ast_of(source, f"{CLASS}.{name}")
         assert not isinstance(method, ast.ClassDef)
-        if _params(method) != params or needle not in c.function_code(source, f"{CLASS}.{name}"):
+        if c.param_names(method) != params or needle not in c.function_code(source, f"{CLASS}.{name}"):
             raise CannotCarry(f"MultiConnector.{name} no longer has the expected structure ({needle!r})")
 
 
@@ -599,4 +571,4 @@ def transform(tree: SourceTree) -> list[NativeEdit]:
     return [tree.edit(MODULE, change)]
 
 
-__all__ = ["Shape", "recognize", "rule_code", "source_function", "transform"]
+__all__ = ["Shape", "recognize", "rule_code", "transform"]

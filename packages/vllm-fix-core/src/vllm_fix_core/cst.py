@@ -307,6 +307,16 @@ def ast_of(source: str, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef
     return strip_docstrings(node)
 
 
+def param_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """A def's parameter names in order: positional, *args, keyword-only, **kwargs."""
+    args = node.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args)]
+    names += [args.vararg.arg] if args.vararg else []
+    names += [a.arg for a in args.kwonlyargs]
+    names += [args.kwarg.arg] if args.kwarg else []
+    return names
+
+
 def class_names_defined(node: ast.ClassDef) -> set[str]:
     """Names a class body defines: defs, assignments and annotated fields."""
     found: set[str] = set()

@@ -142,7 +142,12 @@ def function_ast(obj: Any) -> ast.FunctionDef | ast.AsyncFunctionDef:
     return node
 
 
-def ast_fingerprint(obj: Any) -> str:
-    """16 hex digits of sha256 over the normalized AST dump (no line numbers)."""
-    dump = ast.dump(function_ast(obj), annotate_fields=True, include_attributes=False)
+def node_fingerprint(node: ast.AST) -> str:
+    """16 hex digits of sha256 over a node's AST dump without positions (no line numbers)."""
+    dump = ast.dump(node, annotate_fields=True, include_attributes=False)
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
+
+
+def ast_fingerprint(obj: Any) -> str:
+    """The normalized AST fingerprint of a function (docstrings stripped, `node_fingerprint`)."""
+    return node_fingerprint(function_ast(obj))

@@ -14,6 +14,7 @@ This module imports nothing heavy; the source transformations themselves use lib
 from __future__ import annotations
 
 import difflib
+import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,23 @@ class SourceTree:
         if not path.is_file():
             raise CannotCarry(f"the tree has no {module} ({self.relpath(module)})")
         return path.read_text(encoding="utf-8")
+
+    def function(self, module: str, qualname: str) -> types.FunctionType:
+        """The function at `qualname` compiled from the tree's file, never executed: what the
+        runtime's shape checks (fingerprints, `inspect`) read of an imported function."""
+        source = self.read(module)
+        try:
+            code = compile(source, str(self.path_of(module)), "exec", dont_inherit=True)
+        except SyntaxError as exc:
+            raise CannotCarry(f"{self.relpath(module)} does not compile: {exc}") from exc
+        stack = [code]
+        while stack:
+            for const in stack.pop().co_consts:
+                if isinstance(const, types.CodeType):
+                    if const.co_qualname == qualname:
+                        return types.FunctionType(const, {})
+                    stack.append(const)
+        raise CannotCarry(f"{self.relpath(module)} has no {qualname}")
 
     def edit(self, module: str, change: Callable[[str], str]) -> NativeEdit:
         """The edit that applies `change` to the module's source text."""

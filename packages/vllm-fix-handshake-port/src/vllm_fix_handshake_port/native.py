@@ -97,10 +97,6 @@ def _omits_tp(call: ast.Call | cst.Call) -> bool:
     return len(call.args) == 2 and all(a.keyword is None and not a.star for a in call.args)
 
 
-def _params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
-    return [a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)]
-
-
 def _classify(module: str, qualname: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     """'listener', 'sender', 'writer', 'dialer' or 'explicit' (sites.classify, on the source)."""
     owner = qualname.rpartition(".")[0]
@@ -113,7 +109,7 @@ def _classify(module: str, qualname: str, node: ast.FunctionDef | ast.AsyncFunct
     if not any(_omits_tp(call) for call in _offset_calls(node)):
         return "explicit"
     if owner == WORKER_CLASS and (
-        "remote_tp_size" in _params(node) or qualname.endswith("._moriio_handshake")
+        "remote_tp_size" in c.param_names(node) or qualname.endswith("._moriio_handshake")
     ):
         return "dialer"
     raise CannotCarry(
@@ -131,7 +127,7 @@ def _recognize(tree: SourceTree) -> dict[tuple[str, str], str]:
         raise CannotCarry("moriio_common.get_port_offset is a class")
     defaults = offset.args.defaults
     if (
-        _params(offset) != ["dp_rank", "tp_rank", "tp_size"]
+        c.param_names(offset) != ["dp_rank", "tp_rank", "tp_size"]
         or len(defaults) != 1
         or not isinstance(defaults[0], ast.Constant)
         or defaults[0].value != 1

@@ -16,11 +16,11 @@ instead of the imported function), and the module imports ``iter_layer_registrat
 from __future__ import annotations
 
 import ast
-import hashlib
 
 import libcst as cst
 
 from vllm_fix_core import cst as c
+from vllm_fix_core.fingerprint import node_fingerprint
 from vllm_fix_core.native import CannotCarry, NativeEdit, SourceTree, marker
 from vllm_fix_mr_extent.declaration import MODULE
 from vllm_fix_mr_extent.patch import KNOWN_SHAPES
@@ -95,20 +95,13 @@ return reg, {{name: cache.data_ptr() - base for name, cache in kv_caches.items()
 """
 
 
-def fingerprint(node: ast.AST) -> str:
-    """The runtime's normalized-AST fingerprint (``vllm_fix_core.ast_fingerprint``) of a node
-    read from source (``c.ast_of``: docstrings stripped, positions left out of the dump)."""
-    dump = ast.dump(node, annotate_fields=True, include_attributes=False)
-    return hashlib.sha256(dump.encode()).hexdigest()[:16]
-
-
 def recognize(tree: SourceTree) -> str:
     """The shape's name, or CannotCarry where the runtime fix would not patch the tree."""
     source = tree.read(MODULE)
     method = c.ast_of(source, QUALNAME)
     if isinstance(method, ast.ClassDef):
         raise CannotCarry(f"{QUALNAME} is a class, not a method")
-    found = fingerprint(method)
+    found = node_fingerprint(method)
     shape = KNOWN_SHAPES.get(found)
     if shape is None:
         raise CannotCarry(
@@ -141,4 +134,4 @@ def transform(tree: SourceTree) -> list[NativeEdit]:
     return [tree.edit(MODULE, lambda source: c.change_function(source, QUALNAME, _by_rule))]
 
 
-__all__ = ["fingerprint", "recognize", "transform"]
+__all__ = ["recognize", "transform"]

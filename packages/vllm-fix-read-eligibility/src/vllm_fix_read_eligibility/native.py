@@ -202,15 +202,6 @@ if not self.is_producer and self.mode == MoRIIOMode.READ:
 """
 
 
-def _param_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
-    args = node.args
-    names = [a.arg for a in (*args.posonlyargs, *args.args)]
-    names += [args.vararg.arg] if args.vararg else []
-    names += [a.arg for a in args.kwonlyargs]
-    names += [args.kwarg.arg] if args.kwarg else []
-    return names
-
-
 def _base_names(node: ast.ClassDef) -> set[str]:
     names = {b.id for b in node.bases if isinstance(b, ast.Name)}
     return names | {b.attr for b in node.bases if isinstance(b, ast.Attribute)}
@@ -230,7 +221,7 @@ def recognize(tree: SourceTree) -> tuple[BlockLayout, bool]:
     method = c.ast_of(source, QUALNAME)
     if isinstance(method, ast.ClassDef):
         raise CannotCarry(f"{QUALNAME} is a class, not a method")
-    reason = shape_reason(_param_names(method), method)
+    reason = shape_reason(c.param_names(method), method)
     if reason:
         raise CannotCarry(reason)
     names = c.module_names(source)

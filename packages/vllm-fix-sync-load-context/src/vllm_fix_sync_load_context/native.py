@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ast
 import textwrap
-import types
 from collections.abc import Sequence
 
 import libcst as cst
@@ -41,41 +40,6 @@ PRE_FORWARD = "self.kv_connector.pre_forward"
 MARK = marker("sync-load-context", PR, "FULL-replay loads see the step's context")
 
 
-def source_function(tree: SourceTree, module: str, qualname: str) -> types.FunctionType:
-    """The function at `qualname` of the tree's module, compiled from its file (the module is
-    never executed): what the runtime's shape checks read of an imported function."""
-    source = tree.read(module)
-    path = tree.path_of(module)
-    try:
-        code = compile(source, str(path), "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        raise CannotCarry(f"{tree.relpath(module)} does not compile: {exc}") from exc
-    found = _code_named(code, qualname)
-    if found is None:
-        raise CannotCarry(f"{tree.relpath(module)} has no {qualname}")
-    return types.FunctionType(found, {})
-
-
-def _code_named(code: types.CodeType, qualname: str) -> types.CodeType | None:
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            if const.co_qualname == qualname:
-                return const
-            inner = _code_named(const, qualname)
-            if inner is not None:
-                return inner
-    return None
-
-
-def _param_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
-    args = node.args
-    names = [a.arg for a in (*args.posonlyargs, *args.args)]
-    names += [args.vararg.arg] if args.vararg else []
-    names += [a.arg for a in args.kwonlyargs]
-    names += [args.kwarg.arg] if args.kwarg else []
-    return names
-
-
 def _method(tree: SourceTree, module: str, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
     node = c.ast_of(tree.read(module), qualname)
     if isinstance(node, ast.ClassDef):
@@ -89,13 +53,11 @@ def recognize(tree: SourceTree) -> str:
     connector = tree.read(KV_CONNECTOR)
     if "ActiveKVConnector" not in c.module_names(connector):
         raise CannotCarry(f"{tree.relpath(KV_CONNECTOR)} has no ActiveKVConnector")
-    params = _param_names(_method(tree, KV_CONNECTOR, "ActiveKVConnector.pre_forward"))
-    execute = source_function(tree, RUNNER, EXECUTE)
-    pre_forward = source_function(tree, KV_CONNECTOR, "ActiveKVConnector.pre_forward")
+    params = c.param_names(_method(tree, KV_CONNECTOR, "ActiveKVConnector.pre_forward"))
+    execute = tree.function(RUNNER, EXECUTE)
+    pre_forward = tree.function(KV_CONNECTOR, "ActiveKVConnector.pre_forward")
     has_start = "_start_load_kv" in c.class_names_defined(_class(tree, KV_CONNECTOR, "ActiveKVConnector"))
-    start_load = (
-        source_function(tree, KV_CONNECTOR, "ActiveKVConnector._start_load_kv") if has_start else None
-    )
+    start_load = tree.function(KV_CONNECTOR, "ActiveKVConnector._start_load_kv") if has_start else None
     if params in shapes.BATCH_IN_CALLER:
         recipe = shapes.caller_recipe(execute, pre_forward)
         if isinstance(recipe, str):
@@ -128,7 +90,7 @@ def _class(tree: SourceTree, module: str, name: str) -> ast.ClassDef:
 def _context_params(tree: SourceTree) -> set[str]:
     for stmt in parse_source(tree.read(FORWARD_CONTEXT)).body:
         if isinstance(stmt, ast.FunctionDef) and stmt.name == "set_forward_context":
-            return set(_param_names(stmt))
+            return set(c.param_names(stmt))
     raise CannotCarry(f"{tree.relpath(FORWARD_CONTEXT)} defines no set_forward_context")
 
 
@@ -368,4 +330,4 @@ def transform(tree: SourceTree) -> list[NativeEdit]:
     return [tree.edit(RUNNER, lambda s: c.change_function(s, EXECUTE, change))]
 
 
-__all__ = ["recognize", "source_function", "transform"]
+__all__ = ["recognize", "transform"]

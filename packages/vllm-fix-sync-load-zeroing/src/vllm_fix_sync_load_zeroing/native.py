@@ -67,14 +67,6 @@ if (
 """
 
 
-def _param_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
-    args = node.args
-    names = [a.arg for a in (*args.posonlyargs, *args.args)]
-    names += [args.vararg.arg] if args.vararg else []
-    names += [a.arg for a in args.kwonlyargs]
-    return names + ([args.kwarg.arg] if args.kwarg else [])
-
-
 def _drains_recv(stmt: cst.BaseStatement) -> bool:
     """The statement is vLLM's ``for ... in self._reqs_need_recv.items():`` loop."""
     return isinstance(stmt, cst.For) and isinstance(stmt.iter, cst.Call) and c.dotted(stmt.iter.func) == DRAIN
@@ -93,7 +85,7 @@ def recognize(tree: SourceTree) -> None:
     method = c.ast_of(source, QUALNAME)
     if isinstance(method, ast.ClassDef):
         raise CannotCarry(f"{QUALNAME} is a class, not a method")
-    params = _param_names(method)
+    params = c.param_names(method)
     if params != ["self", "scheduler_output"]:
         raise CannotCarry(f"unexpected signature build_connector_meta{tuple(params)}")
     code = ast.unparse(method)

@@ -10,6 +10,14 @@ files (vllm_fix_core.backport.write_edits), so the installed vLLM is never chang
 --dry-run` where `patch` is installed). `run_in_tree(tree, code)` runs a scenario in a child
 process that imports vLLM from the tree with every runtime fix off, and returns the JSON object
 its last output line prints.
+
+`carried_trees(fix, mktemp)` builds what each fix's native tests share (a module fixture):
+the tree, the carry's result and a copy of the tree with the edits written.
+`rewritten(tree, dest, module, change)` and `replaced(tree, dest, module, old, new)` make a
+drifted tree: a scratch copy whose module file is replaced (unlinked, then written: the copy is
+hard-linked to the installed vLLM). `assert_probe_tells` checks the probe's answers on the plain
+and the changed tree, `assert_cannot_carry` a refused carry that writes nothing, and
+`assert_needs_nothing_more` that a carried tree is not carried again.
 """
 
 from __future__ import annotations
@@ -20,12 +28,16 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from vllm_fix_core.backport import scratch_copy
+from vllm_fix_core.backport import Carried, Result, ask_tree, carry, scratch_copy, write_edits
+from vllm_fix_core.declaration import Fix
 from vllm_fix_core.native import NativeEdit, SourceTree
+
+# (the tree carried, the carry's result, a copy of the tree with the edits written)
+Carry = tuple[SourceTree, Result, SourceTree]
 
 
 def installed_vllm_root() -> Path:
@@ -91,4 +103,83 @@ def run_in_tree(tree: SourceTree, code: str, timeout: float = 600) -> dict[str, 
     return found
 
 
-__all__ = ["assert_git_applies", "installed_tree", "installed_vllm_root", "run_in_tree"]
+def carried_trees(fix: Fix, mktemp: Callable[[str], Path], tree: SourceTree | None = None) -> Carry:
+    """(the tree, the fix's carry on it, a copy of the tree with the carry's edits written);
+    the tree is the installed release's unless given. `mktemp(name)` gives a fresh folder
+    (pytest's `tmp_path_factory.mktemp`)."""
+    if tree is None:
+        tree = installed_tree(mktemp("tree"))
+    result = carry(fix, tree, mktemp("work"))
+    changed = scratch_copy(tree, mktemp("changed"))
+    write_edits(changed.root, result.edits)
+    return tree, result, changed
+
+
+def rewritten(tree: SourceTree, dest: Path, module: str, change: Callable[[str], str]) -> SourceTree:
+    """A scratch copy of `tree` under `dest` whose `module` holds `change(its text)`, which
+    must differ from the text. The copy is hard-linked: the file is replaced, never written
+    through."""
+    copy = scratch_copy(tree, dest)
+    path = copy.path_of(module)
+    text = path.read_text(encoding="utf-8")
+    new = change(text)
+    assert new != text, f"{module}: the change changes nothing"
+    path.unlink()
+    path.write_text(new, encoding="utf-8")
+    return copy
+
+
+def replaced(tree: SourceTree, dest: Path, module: str, old: str, new: str) -> SourceTree:
+    """A scratch copy of `tree` under `dest` whose `module` has `old` (found exactly once)
+    replaced by `new`."""
+
+    def change(text: str) -> str:
+        assert text.count(old) == 1, f"{module}: {old!r} occurs {text.count(old)} times"
+        return text.replace(old, new)
+
+    return rewritten(tree, dest, module, change)
+
+
+def assert_probe_tells(fix: Fix, plain: SourceTree, changed: SourceTree, *checks: str) -> None:
+    """The fix's probe, asked in a child with the runtime fixes off, answers "would fix" for
+    the plain tree (naming each of `checks` in its reason: the negative control) and "fixed
+    upstream" for the changed one."""
+    before = ask_tree(plain, fix)
+    assert before["answer"] == "would fix", before
+    for check in checks:
+        assert check in before["reason"], (check, before)
+    after = ask_tree(changed, fix)
+    assert after["answer"] == "fixed upstream", after
+
+
+def assert_cannot_carry(fix: Fix, drifted: SourceTree, module: str, workdir: Path, *reasons: str) -> None:
+    """Carrying `fix` on `drifted` is refused (CANNOT, with a reason holding each of
+    `reasons`), no edit is offered, and `module` of the tree is left as it was."""
+    text = drifted.read(module)
+    result = carry(fix, drifted, workdir)
+    assert result.result is Carried.CANNOT, result.reason
+    assert result.reason and all(r in result.reason for r in reasons), result.reason
+    assert result.edits == () and drifted.read(module) == text
+
+
+def assert_needs_nothing_more(fix: Fix, changed: SourceTree, workdir: Path) -> None:
+    """Carrying `fix` on a tree that carries it already answers NOT_NEEDED ("carries it
+    already")."""
+    again = carry(fix, changed, workdir)
+    assert again.result is Carried.NOT_NEEDED, again.reason
+    assert "carries it already" in again.reason
+
+
+__all__ = [
+    "Carry",
+    "assert_cannot_carry",
+    "assert_git_applies",
+    "assert_needs_nothing_more",
+    "assert_probe_tells",
+    "carried_trees",
+    "installed_tree",
+    "installed_vllm_root",
+    "replaced",
+    "rewritten",
+    "run_in_tree",
+]
