@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.version import Version
 
 from vllm_fix_core.registry import installed_fixes
 from vllm_fix_testing.native_trees import installed_tree
@@ -175,17 +176,32 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> Grid:
     return grid
 
 
+def expected_refusal(fix: str, release: str, natives: set[str]) -> str | None:
+    """What backport must say where it cannot carry a needed fix (None: it must write it). The
+    known refusals, each with the words its reason must hold."""
+    if fix not in natives:
+        return "this fix has no native transformation"
+    if fix == "spec-kv-readiness":  # its change cannot be verified on CPU (see its declaration)
+        return "cannot observe device events"
+    if fix == "sync-load-context" and Version(release) < Version("0.18"):
+        return "InputBatch has no num_reqs_after_padding"
+    return None
+
+
 def test_each_needed_fix_is_carried_or_says_why(grid: Grid) -> None:
     results = {r["fix"]: r for r in grid.report["fixes"]}
     assert sorted(results) == grid.fixes
+    refused = False
     for fix, record in results.items():
-        if fix in grid.natives:
+        why = expected_refusal(fix, grid.release, grid.natives)
+        if why is None:
             assert record["result"] == "written and verified", record
             assert record["files"], record
         else:
+            refused = True
             assert record["result"] == "cannot be carried natively here", record
-            assert record["reason"] == "this fix has no native transformation", record
-    assert grid.code == (0 if set(grid.fixes) <= grid.natives else 1)
+            assert why in record["reason"] and not record["files"], record
+    assert grid.code == (1 if refused else 0)
 
 
 def test_the_patch_has_one_section_per_fix(grid: Grid) -> None:
