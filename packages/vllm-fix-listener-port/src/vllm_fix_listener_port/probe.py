@@ -134,13 +134,25 @@ def _worker_port() -> tuple[bool, str]:
     return False, ""
 
 
+def _worker_port_twice() -> tuple[bool, str]:
+    """The worker check, asked again once when it sees the bug: where vLLM has it, it shows on
+    every worker; a single miss can be another process on the host taking a port in between
+    (ranks of one node start together), and a probe that misreads that once must not take the
+    fix away from that rank."""
+    first = _worker_port()
+    if not first[0]:
+        return first
+    second = _worker_port()
+    return second if not second[0] else (True, f"{second[1]} (twice; first: {first[1]})")
+
+
 def probe() -> ProbeReport:
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common
 
     mori = installed_mori()
     with tp_group():
         configs = [moriio_common.MoRIIOConfig.from_vllm_config(vllm_config()) for _ in range(2)]
-        worker = _worker_port()
+        worker = _worker_port_twice()
     ports = [int(c.local_kv_port) for c in configs]
     here = ports_held_here()
     released = [p for p in ports if p != 0 and p not in here]
