@@ -12,6 +12,7 @@ pytest.importorskip("libcst")
 
 from vllm_fix_core import ast_fingerprint, original_of
 from vllm_fix_core.backport import Carried, ask_tree
+from vllm_fix_core.fingerprint import node_fingerprint
 from vllm_fix_mr_extent import FIX, native, patch
 from vllm_fix_mr_extent.declaration import MODULE
 from vllm_fix_testing import native_trees as nt
@@ -70,7 +71,7 @@ def test_the_tree_is_recognised_as_the_runtime_recognises_it(
 
     tree, _, _ = carried
     installed = ast_fingerprint(original_of(mc.MoRIIOConnectorWorker, "_build_shared_kv_mr"))
-    assert native.node_fingerprint(native.c.ast_of(tree.read(MODULE), native.QUALNAME)) == installed
+    assert node_fingerprint(native.c.ast_of(tree.read(MODULE), native.QUALNAME)) == installed
     assert native.recognize(tree) == patch.recognize()
 
 
@@ -122,7 +123,9 @@ def test_a_drifted_body_cannot_be_carried(carried: nt.Carry, tmp_path: Path) -> 
     tree, _, _ = carried
     old, new = "        page_size = 4096\n", "        page_size = 8192\n"
     drifted = nt.replaced(tree, tmp_path / "drifted", MODULE, old, new)
-    nt.assert_cannot_carry(FIX, drifted, MODULE, tmp_path / "work", "has normalized AST", "not a known shape")
+    nt.assert_cannot_carry(
+        FIX, drifted, MODULE, tmp_path / "work", "normalized-AST fingerprint", "not one of the known shapes"
+    )
     assert "page_size = 8192" in drifted.read(MODULE)
 
 

@@ -11,6 +11,7 @@ pytest.importorskip("libcst")
 
 from vllm_fix_core import ast_fingerprint, original_of
 from vllm_fix_core.backport import Carried, ask_tree
+from vllm_fix_core.fingerprint import node_fingerprint
 from vllm_fix_read_failure_ownership import FIX, native, patch
 from vllm_fix_read_failure_ownership.declaration import MODULE
 from vllm_fix_testing import native_trees as nt
@@ -76,7 +77,7 @@ def test_the_tree_is_recognised_as_the_runtime_recognises_it(
 
     tree, _, _ = carried
     installed = ast_fingerprint(original_of(mc.MoRIIOConnectorWorker, native.TARGET))
-    assert native.node_fingerprint(native.c.ast_of(tree.read(MODULE), native.QUALNAME)) == installed
+    assert node_fingerprint(native.c.ast_of(tree.read(MODULE), native.QUALNAME)) == installed
     assert native.recognize(tree) == patch.recognize()
 
 

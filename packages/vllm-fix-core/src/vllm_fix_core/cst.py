@@ -307,6 +307,23 @@ def ast_of(source: str, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef
     return strip_docstrings(node)
 
 
+def known_shape(source: str, qualname: str, known: dict[str, str]) -> str:
+    """The name `known` gives the normalized-AST fingerprint of the method at `qualname` (the
+    runtime's `ast_fingerprint` of the installed function); CannotCarry for any other body."""
+    from vllm_fix_core.fingerprint import node_fingerprint
+
+    method = ast_of(source, qualname)
+    if isinstance(method, ast.ClassDef):
+        raise CannotCarry(f"{qualname} is a class, not a method")
+    found = node_fingerprint(method)
+    if found not in known:
+        raise CannotCarry(
+            f"{qualname} has normalized-AST fingerprint {found}, not one of the known shapes "
+            f"{sorted(known.values())}; its body is only changed for exactly known shapes"
+        )
+    return known[found]
+
+
 def param_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     """A def's parameter names in order: positional, *args, keyword-only, **kwargs."""
     args = node.args

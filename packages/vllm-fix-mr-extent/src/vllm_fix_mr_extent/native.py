@@ -15,12 +15,9 @@ instead of the imported function), and the module imports ``iter_layer_registrat
 
 from __future__ import annotations
 
-import ast
-
 import libcst as cst
 
 from vllm_fix_core import cst as c
-from vllm_fix_core.fingerprint import node_fingerprint
 from vllm_fix_core.native import CannotCarry, NativeEdit, SourceTree, marker
 from vllm_fix_mr_extent.declaration import MODULE
 from vllm_fix_mr_extent.patch import KNOWN_SHAPES
@@ -98,16 +95,7 @@ return reg, {{name: cache.data_ptr() - base for name, cache in kv_caches.items()
 def recognize(tree: SourceTree) -> str:
     """The shape's name, or CannotCarry where the runtime fix would not patch the tree."""
     source = tree.read(MODULE)
-    method = c.ast_of(source, QUALNAME)
-    if isinstance(method, ast.ClassDef):
-        raise CannotCarry(f"{QUALNAME} is a class, not a method")
-    found = node_fingerprint(method)
-    shape = KNOWN_SHAPES.get(found)
-    if shape is None:
-        raise CannotCarry(
-            f"{QUALNAME} has normalized AST {found}, not a known shape ({', '.join(KNOWN_SHAPES)}); "
-            "its body is only replaced for a shape read exactly"
-        )
+    shape = c.known_shape(source, QUALNAME, KNOWN_SHAPES)
     missing = [name for name in MODULE_NAMES if name not in c.module_names(source)]
     if missing:
         raise CannotCarry(f"{tree.relpath(MODULE)} no longer imports {', '.join(missing)}")

@@ -25,7 +25,6 @@ import ast
 import libcst as cst
 
 from vllm_fix_core import cst as c
-from vllm_fix_core.fingerprint import node_fingerprint
 from vllm_fix_core.native import CannotCarry, NativeEdit, SourceTree, marker
 from vllm_fix_read_failure_ownership.declaration import MODULE
 from vllm_fix_read_failure_ownership.patch import _HELPERS, KNOWN_SHAPES, TARGET
@@ -75,16 +74,7 @@ if fail_closed:
 def recognize(tree: SourceTree) -> str:
     """The shape's name, or CannotCarry where the runtime fix would not patch the tree."""
     source = tree.read(MODULE)
-    method = c.ast_of(source, QUALNAME)
-    if isinstance(method, ast.ClassDef):
-        raise CannotCarry(f"{QUALNAME} is a class, not a method")
-    found = node_fingerprint(method)
-    shape = KNOWN_SHAPES.get(found)
-    if shape is None:
-        raise CannotCarry(
-            f"{QUALNAME} has normalized-AST fingerprint {found}, not one of the known shapes "
-            f"{sorted(KNOWN_SHAPES.values())}; its body is only changed for exactly known shapes"
-        )
+    shape = c.known_shape(source, QUALNAME, KNOWN_SHAPES)
     worker = c.ast_of(source, "MoRIIOConnectorWorker")
     assert isinstance(worker, ast.ClassDef)
     missing = [name for name in _HELPERS[shape] if name not in c.class_names_defined(worker)]
