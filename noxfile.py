@@ -268,9 +268,10 @@ def _stress(target: str, size: str) -> None:
             f"CI's focused form of stress-{target}: the same stress tests and assertions, smaller "
             "(FIXES_STRESS=focused)"
         )
-        # CI's lanes: lane a holds vLLM's own suites, the quality checks and the install; lane b
-        # every per-package session, the focused stress runs and half the matrix.
-        name, tags = f"stress-focused-{target}", ["stress-focused", "ci", "lane-b", f"vllm-{target}"]
+        # CI's lanes: lane a holds the disaggregated pair, integration, the focused stress runs,
+        # backport, 0.33.0's own suite, the newer half of the matrix, the quality checks and the
+        # install; lane b every per-package session, 0.32.0's own suite and the older half.
+        name, tags = f"stress-focused-{target}", ["stress-focused", "ci", "lane-a", f"vllm-{target}"]
     nox.session(name=name, python=PYTHON, tags=tags)(session_fn)
 
 
