@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import libcst as cst
 
-from vllm_fix_core.fingerprint import parse_source, strip_docstrings
+from vllm_fix_core.fingerprint import node_fingerprint, parse_source, strip_docstrings
 from vllm_fix_core.native import CannotCarry
 
 FunctionChange = Callable[[cst.FunctionDef], cst.FunctionDef]
@@ -310,8 +310,6 @@ def ast_of(source: str, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef
 def known_shape(source: str, qualname: str, known: dict[str, str]) -> str:
     """The name `known` gives the normalized-AST fingerprint of the method at `qualname` (the
     runtime's `ast_fingerprint` of the installed function); CannotCarry for any other body."""
-    from vllm_fix_core.fingerprint import node_fingerprint
-
     method = ast_of(source, qualname)
     if isinstance(method, ast.ClassDef):
         raise CannotCarry(f"{qualname} is a class, not a method")
