@@ -339,7 +339,29 @@ def _upstream(target: str, focused: bool) -> None:
         # (pytest's --last-failed): a difference is a test that passes unpatched and fails
         # patched, so a test that passed patched cannot be one.
         unpatched_selection = ["--last-failed", "--last-failed-no-failures", "none"] if focused else []
-        runs = (("patched", {}, []), ("unpatched", {"VLLM_FIXES_DISABLE": "all"}, unpatched_selection))
+        runs: list[tuple[str, dict[str, str], list[str]]] = [("patched", {}, [])]
+        carried: list[str] = []
+        if not focused:
+            # The full form also runs them on a copy of this vLLM that carries the fixes natively
+            # (`vllm-fixes backport --write`, as a fork would), with every runtime fix off.
+            made = (
+                _upstream_tool(
+                    session,
+                    "native-tree",
+                    "--dest",
+                    str(reports / "native-tree"),
+                    "--report",
+                    str(REPORTS / f"{session.name}-native-backport.json"),
+                    last=False,
+                )
+                .strip()
+                .splitlines()
+            )
+            carried, tree = made[-2].split(), made[-1]
+            session.log(f"carried natively: {' '.join(carried)}")
+            native_path = os.pathsep.join([tree, str(ROOT / "tools")])
+            runs.append(("native", {"VLLM_FIXES_DISABLE": "all", "PYTHONPATH": native_path}, []))
+        runs.append(("unpatched", {"VLLM_FIXES_DISABLE": "all"}, unpatched_selection))
         for tag, extra, selection in runs:
             session.chdir(str(root))
             session.run(
@@ -373,6 +395,23 @@ def _upstream(target: str, focused: bool) -> None:
             str(ROOT / "integration" / "upstream-differences.toml"),
             *(["--focused"] if focused else []),
         )
+        if carried:
+            session.run(
+                "python",
+                str(ROOT / "tools" / "upstream.py"),
+                "compare",
+                "--release",
+                target,
+                "--patched",
+                str(reports / "native.xml"),
+                "--unpatched",
+                str(reports / "unpatched.xml"),
+                "--reviewed",
+                str(ROOT / "integration" / "upstream-differences.toml"),
+                "--label",
+                "carried natively",
+                *[arg for fix in carried for arg in ("--fix", fix)],
+            )
 
     if focused:
         session_fn.__doc__ = (
@@ -382,7 +421,10 @@ def _upstream(target: str, focused: bool) -> None:
         lane = "lane-a" if target == TARGETS[-1] else "lane-b"  # the longest suite runs in lane a
         name, tags = f"upstream-focused-{target}", ["upstream-focused", "ci", lane, f"vllm-{target}"]
     else:
-        session_fn.__doc__ = f"vLLM {target}'s own tests of the patched modules, with and without every fix"
+        session_fn.__doc__ = (
+            f"vLLM {target}'s own tests of the patched modules: with every fix, on a copy carrying "
+            "the fixes natively (vllm-fixes backport), and without"
+        )
         name, tags = f"upstream-{target}", ["upstream", f"vllm-{target}"]
     nox.session(name=name, python=PYTHON, tags=tags)(session_fn)
 
@@ -473,6 +515,19 @@ for _release in vllm_env.RELEASES:
 BACKPORT_FOCUSED = ("0.20.2",)
 
 
+def _native_controls(release: str) -> list[str]:
+    """The native tests holding a negative control (pytest -m native_control) of each fix the
+    release matrix records as "affected → fixed" on `release`."""
+    cells = json.loads((MATRIX_RESULTS / f"{release}.json").read_text(encoding="utf-8"))["fixes"]
+    found = []
+    for fix, cell in sorted(cells.items()):
+        if cell["answer"] == "affected → fixed":
+            for path in sorted(ROOT.glob(f"packages/vllm-fix-{fix}/tests/test_*_native.py")):
+                if "mark.native_control" in path.read_text(encoding="utf-8"):
+                    found.append(str(path))
+    return found
+
+
 def _backport(release: str, focused: bool) -> None:
     def session_fn(session: nox.Session) -> None:
         meta = workspace.by_name()[workspace.META]
@@ -481,17 +536,24 @@ def _backport(release: str, focused: bool) -> None:
         _install(session, release, [*local, testing])
         size = {"FIXES_BACKPORT": "focused" if focused else "full"}
         _pytest(session, release, [str(ROOT / "integration" / "backport")], extra_env=size)
+        # Each carried fix's negative control on this release: the plain tree shows the bug, the
+        # tree its native change made does not, with every runtime fix off.
+        controls = _native_controls(release)
+        if controls:
+            _pytest(session, release, controls, "-m", "native_control", part="controls")
 
     if focused:
         session_fn.__doc__ = (
             f"CI's focused form of backport-{release}: every fix with a native transformation that "
-            f"vLLM {release} needs, carried by vllm-fixes backport, git-applied, found clean"
+            f"vLLM {release} needs, carried by vllm-fixes backport, git-applied, found clean; each "
+            "one's negative control on the changed tree"
         )
         name, tags = f"backport-focused-{release}", ["backport-focused", "ci", "lane-a", f"vllm-{release}"]
     else:
         session_fn.__doc__ = (
             f"vllm-fixes backport on vLLM {release}'s sources: every fix the matrix says is affected "
-            "→ fixed there is carried natively (or says why not), git-applied, and found clean"
+            "→ fixed there is carried natively (or says why not), git-applied, and found clean; each "
+            "one's negative control on the changed tree"
         )
         name, tags = f"backport-{release}", ["backport", f"vllm-{release}"]
     nox.session(name=name, python=PYTHON, tags=tags)(session_fn)

@@ -3,20 +3,32 @@
     python tools/upstream.py fetch --release 0.33.0 --cache DIR        prints the tests folder
     python tools/upstream.py hub --cache DIR                          prints an offline HF_HOME
     python tools/upstream.py tests --root TESTS_PARENT                prints the test paths
+    python tools/upstream.py native-tree --dest DIR [--report FILE]  prints a tree carrying the fixes natively
     python tools/upstream.py compare --release R --patched A.xml --unpatched B.xml --reviewed F.toml
-                                     [--focused]
+                                     [--focused] [--label WORDS] [--fix ID]...
 
 `fetch` downloads the release's source distribution from the package registry once (cached)
 and extracts its tests/. `compare` fails on every test that passes without the fixes and fails
 with them, unless the reviewed file lists it for that release with the fix id, the reason and
 the test of ours that shows why; a listed entry that no longer differs is reported as stale.
+
+`native-tree` copies the installed vLLM package (hard links) to DIR and has `vllm-fixes backport
+--write` carry into it every fix it can carry natively there (a fork's tree after `git apply`);
+the last line printed is DIR, the line before it the fixes written. Run with PYTHONPATH=DIR and
+VLLM_FIXES_DISABLE=all, vLLM's tests then test the native change instead of the runtime patch,
+and `compare --label "carried natively" --fix ID...` compares that run with the unpatched one
+(reviewed entries of fixes not carried are not expected to differ).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import tomllib
 import urllib.request
@@ -116,6 +128,40 @@ def hub(cache: Path) -> Path:
     return home
 
 
+def native_tree(dest: Path, report: Path | None = None) -> tuple[Path, list[str]]:
+    """A copy of the installed vLLM under `dest` with every fix `vllm-fixes backport` can carry
+    natively written into it; (the tree, the fixes written). Fails unless at least one is."""
+    from vllm_fix_core.backport import scratch_copy
+    from vllm_fix_core.native import SourceTree
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("no vLLM is installed in this environment")
+    installed = Path(next(iter(spec.submodule_search_locations))).parent
+    shutil.rmtree(dest, ignore_errors=True)
+    tree = scratch_copy(SourceTree(installed), dest)
+    command = ["backport", "--source", str(tree.root), "--write", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_fix_core.cli", *command],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "VLLM_FIXES_DISABLE": ""},
+    )
+    if proc.returncode not in (0, 1):  # 1: a needed fix could not be carried (said per fix)
+        raise SystemExit(f"vllm-fixes backport failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    data = json.loads(proc.stdout)
+    if report is not None:
+        report.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    for record in data["fixes"]:
+        why = f" ({record['reason']})" if record.get("reason") else ""
+        print(f"  {record['fix']}: {record['result']}{why}")
+    written = sorted(r["fix"] for r in data["fixes"] if r["result"] == "written and verified")
+    if not written:
+        raise SystemExit("vllm-fixes backport carried no fix natively: nothing to compare")
+    return tree.root, written
+
+
 def test_paths(root: Path) -> list[str]:
     found: list[str] = []
     for pattern in TEST_GLOBS:
@@ -157,12 +203,22 @@ def _key(test_id: str) -> str:
     return module.replace("/", ".").removesuffix(".py").rsplit(".", 1)[-1] + "::" + name
 
 
-def compare(release: str, patched: Path, unpatched: Path, review: Path, focused: bool = False) -> int:
+def compare(
+    release: str,
+    patched: Path,
+    unpatched: Path,
+    review: Path,
+    focused: bool = False,
+    label: str = "with the fixes",
+    fixes: list[str] | None = None,
+) -> int:
     """`focused`: the unpatched run covered only the tests that failed patched (CI's form), so
-    "passes only with the fixes" cannot be known and is not reported."""
+    "passes only with the fixes" cannot be known and is not reported. `fixes`: the fixes the
+    patched run carries (None: every fix); reviewed entries of other fixes are left out.
+    `label` names the patched run in the report ("carried natively" for a native tree)."""
     with_fixes = {_key(k): v for k, v in outcomes(patched).items()}
     without = {_key(k): v for k, v in outcomes(unpatched).items()}
-    listed = {_key(k): v for k, v in reviewed(review, release).items()}
+    listed = {_key(k): v for k, v in reviewed(review, release).items() if fixes is None or v["fix"] in fixes}
     broken = sorted(t for t, v in without.items() if v == "passed" and with_fixes.get(t) == "failed")
     fixed = sorted(t for t, v in without.items() if v == "failed" and with_fixes.get(t) == "passed")
     # Every test that failed patched must have been run unpatched (or the comparison is blind).
@@ -171,13 +227,13 @@ def compare(release: str, patched: Path, unpatched: Path, review: Path, focused:
     stale = sorted(t for t in listed if t not in broken)
     counts = {s: sum(1 for v in with_fixes.values() if v == s) for s in ("passed", "failed", "skipped")}
     print(
-        f"upstream {release}: {len(with_fixes)} of vLLM's tests; with the fixes {counts['passed']} passed, "
-        f"{counts['failed']} failed, {counts['skipped']} skipped; {len(broken)} pass only without the "
-        f"fixes ({len(broken) - len(unexplained)} reviewed), "
+        f"upstream {release}: {len(with_fixes)} of vLLM's tests; {label} {counts['passed']} passed, "
+        f"{counts['failed']} failed, {counts['skipped']} skipped; {len(broken)} pass only unpatched "
+        f"({len(broken) - len(unexplained)} reviewed), "
         + (
-            "the unpatched run covered only those that failed with them"
+            f"the unpatched run covered only those that failed {label}"
             if focused
-            else f"{len(fixed)} pass only with them"
+            else f"{len(fixed)} pass only {label}"
         )
     )
     for test in broken:
@@ -188,13 +244,13 @@ def compare(release: str, patched: Path, unpatched: Path, review: Path, focused:
                 f"(shown by {entry['shown_by']})"
             )
     for test in fixed:
-        print(f"  passes only with the fixes: {test}")
+        print(f"  passes only {label}: {test}")
     for test in unexplained:
-        print(f"  UNREVIEWED: {test} passes without the fixes and fails with them")
+        print(f"  UNREVIEWED: {test} passes unpatched and fails {label}")
     for test in stale:
         print(f"  STALE review entry: {test} no longer differs on {release}")
     for test in unseen:
-        print(f"  NOT COMPARED: {test} failed with the fixes and has no unpatched result")
+        print(f"  NOT COMPARED: {test} failed {label} and has no unpatched result")
     return 1 if unexplained or stale or unseen else 0
 
 
@@ -210,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--cache", type=Path, required=True)
     t = sub.add_parser("tests")
     t.add_argument("--root", type=Path, required=True)
+    n = sub.add_parser("native-tree")
+    n.add_argument("--dest", type=Path, required=True)
+    n.add_argument("--report", type=Path, help="write backport's JSON report here")
     c = sub.add_parser("compare")
     c.add_argument("--release", required=True)
     c.add_argument("--patched", type=Path, required=True)
@@ -218,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument(
         "--focused", action="store_true", help="the unpatched run covered only the patched failures"
     )
+    c.add_argument("--label", default="with the fixes", help="what the patched run is, in the report")
+    c.add_argument("--fix", action="append", dest="fixes", help="a fix the patched run carries (repeat)")
     args = parser.parse_args(argv)
     if args.command == "fetch":
         print(fetch(args.release, args.cache))
@@ -225,8 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         print(hub(args.cache))
     elif args.command == "tests":
         print("\n".join(test_paths(args.root)))
+    elif args.command == "native-tree":
+        tree, written = native_tree(args.dest, args.report)
+        print(" ".join(written))
+        print(tree)
     else:
-        return compare(args.release, args.patched, args.unpatched, args.reviewed, args.focused)
+        return compare(
+            args.release, args.patched, args.unpatched, args.reviewed, args.focused, args.label, args.fixes
+        )
     return 0
 
 

@@ -67,3 +67,17 @@ def test_focused_fails_when_a_patched_failure_was_not_run_unpatched(
 
 def test_focused_a_test_failing_both_ways_is_no_difference(tmp_path: Path) -> None:
     assert run(tmp_path, {"a": "passed", "b": "failed"}, {"b": "failed"}, [], True) == 0
+
+
+def test_native_compare_expects_only_the_carried_fixes_entries(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tree carrying fix "g" only: "f"'s entry is not expected to differ (not stale), while an
+    entry of a carried fix is held to the same rule as in the patched run."""
+    same = {"a": "passed"}
+    review_file = review(tmp_path / "review.toml", ["a"])  # fix "f"
+    args = (junit(tmp_path / "n.xml", same), junit(tmp_path / "u.xml", same), review_file)
+    assert upstream.compare("0.33.0", *args, label="carried natively", fixes=["g"]) == 0
+    assert upstream.compare("0.33.0", *args, label="carried natively", fixes=["f"]) == 1
+    out = capsys.readouterr().out
+    assert "carried natively 1 passed" in out and "STALE review entry" in out

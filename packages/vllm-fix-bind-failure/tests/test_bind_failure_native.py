@@ -77,6 +77,7 @@ def test_the_probe_sees_the_bug_on_the_plain_tree_and_not_on_the_changed_one(
     nt.assert_probe_tells(FIX, tree, changed, *checks)  # negative control: the plain tree
 
 
+@pytest.mark.native_control
 def test_a_taken_notify_port_fails_with_the_port_and_the_setting(
     carried: nt.Carry,
 ) -> None:

@@ -61,6 +61,7 @@ def test_the_diff_applies_to_a_clean_copy(carried: nt.Carry, tmp_path: Path) -> 
     nt.assert_git_applies(result.edits, tmp_path)
 
 
+@pytest.mark.native_control
 def test_probe_sees_the_bug_on_the_plain_tree_and_not_on_the_changed_one(
     carried: nt.Carry,
 ) -> None:

@@ -29,6 +29,17 @@ with probe._tp_group(common, connector, rank):
 print(json.dumps({"ports": [ports[r] for r in sorted(ports)], "accepted": accepted, "base": probe.NOTIFY}))
 """
 
+# The WRITE notify port of decode rank (dp 1, tp 0) from a writer whose worker has no world_size
+# and whose task does not know the decode TP size (vLLM's own writer tests build such workers).
+WRITER_WITHOUT_WORLD_SIZE = """
+import json
+from vllm_fix_handshake_port import probe
+common, connector, engine = probe._mods()
+installed = probe._installed(common, connector, engine)
+port = probe._write_notify_port(common, engine, installed, 1, 0, world_size=None, task_tp_size=0)
+print(json.dumps({"port": port, "base": probe.NOTIFY}))
+"""
+
 
 @pytest.fixture(scope="module")
 def carried(tmp_path_factory: pytest.TempPathFactory) -> nt.Carry:
@@ -71,6 +82,7 @@ def test_the_probe_sees_the_bug_on_the_plain_tree_and_not_on_the_changed_one(
     nt.assert_probe_tells(FIX, tree, changed, *checks)  # negative control: the plain tree
 
 
+@pytest.mark.native_control
 def test_each_rank_binds_its_own_port_and_overlapping_blocks_are_refused(
     carried: nt.Carry,
 ) -> None:
@@ -82,6 +94,17 @@ def test_each_rank_binds_its_own_port_and_overlapping_blocks_are_refused(
     # (dp, tp) in order (0,0) (0,1) (1,0) (1,1): base + dp * TP + tp, the spec's offsets.
     assert fixed["ports"] == [base, base + 1, base + 2, base + 3]
     assert fixed["accepted"] is False
+
+
+def test_a_writer_whose_worker_has_no_world_size_keeps_vllms_offset(carried: nt.Carry) -> None:
+    """Where neither the task nor the worker says the decode TP size, the changed writer keeps
+    vLLM's offset (dp + tp), as the runtime fix does, instead of failing the notify."""
+    tree, _, changed = carried
+    for found in (
+        nt.run_in_tree(tree, WRITER_WITHOUT_WORLD_SIZE),
+        nt.run_in_tree(changed, WRITER_WITHOUT_WORLD_SIZE),
+    ):
+        assert found["port"] == found["base"] + 1, found
 
 
 def test_a_caller_it_cannot_place_is_not_carried(carried: nt.Carry, tmp_path: Path) -> None:

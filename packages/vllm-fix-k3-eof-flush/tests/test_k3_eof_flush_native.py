@@ -59,6 +59,7 @@ def test_carry_is_written_and_touches_only_parse_delta(
     assert added == {"_k3_held_tail", "_release_held_tail", "Any"}
 
 
+@pytest.mark.native_control
 def test_negative_controls_pass_on_the_changed_tree_and_fail_on_the_plain_one(
     carried: nt.Carry,
 ) -> None:

@@ -66,6 +66,7 @@ def test_carry_is_written_and_touches_only_the_two_functions(
     assert "\n-" not in edits[tree.relpath(CONNECTOR)].diff().split("+++", 1)[1]  # only additions
 
 
+@pytest.mark.native_control
 def test_negative_controls_pass_on_the_changed_tree_and_fail_on_the_plain_one(
     carried: nt.Carry,
 ) -> None:

@@ -100,6 +100,7 @@ def test_carry_is_written_and_changes_only_the_builder(
     assert ask_tree(changed, FIX)["answer"] == "fixed upstream"
 
 
+@pytest.mark.native_control
 def test_negative_controls_pass_on_the_changed_tree_and_fail_on_the_plain_one(
     carried: nt.Carry,
 ) -> None:

@@ -77,6 +77,7 @@ def test_probe_sees_the_bug_on_the_plain_tree_and_not_on_the_changed_one(
     nt.assert_probe_tells(FIX, tree, changed)  # negative control: the plain tree, runtime fix off
 
 
+@pytest.mark.native_control
 def test_the_full_step_loads_in_its_own_context_on_the_changed_tree(
     carried: nt.Carry,
 ) -> None:

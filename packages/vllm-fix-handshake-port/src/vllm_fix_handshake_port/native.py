@@ -11,7 +11,9 @@ caller; the same places are read here from the tree's source):
 * scheduler senders (``MoRIIOConnectorScheduler``), the peer's TP size: the bound of the
   ``for tp_index in range(...)`` loop the call sits in (the sender's own count of peer ranks);
 * the WRITE notify writer (``MoRIIOWriter``), the decode engine's TP size: ``task.remote_tp_size``
-  where the task carries it, else ``self.worker.world_size`` (vLLM's own assumption);
+  where the task carries it, else the worker's ``world_size`` (vLLM's own assumption), read with
+  ``getattr(self.worker, "world_size", 1)``: a worker without one keeps vLLM's offset, as the
+  runtime fix does (vLLM's own writer tests build such workers);
 * the handshake dialer (``MoRIIOConnectorWorker`` with a ``remote_tp_size``):
   ``remote_tp_size or self.world_size``.
 
@@ -232,8 +234,8 @@ class _Offsets(cst.CSTTransformer):
             return bound
         if kind == "writer":
             if self.writer_task_tp and "task" in (self.params[0] if self.params else []):
-                return "task.remote_tp_size or self.worker.world_size"
-            return "self.worker.world_size"
+                return 'task.remote_tp_size or getattr(self.worker, "world_size", 1)'
+            return 'getattr(self.worker, "world_size", 1)'
         if kind == "dialer":
             if "remote_tp_size" in (self.params[0] if self.params else []):
                 return "remote_tp_size or self.world_size"

@@ -279,10 +279,18 @@ def _dial_offset(connector: ModuleType, dp: int, tp: int) -> int | None:
 
 
 def _write_notify_port(
-    common: ModuleType, engine: ModuleType, installed: _Installed, dp: int, tp: int
+    common: ModuleType,
+    engine: ModuleType,
+    installed: _Installed,
+    dp: int,
+    tp: int,
+    world_size: int | None = TP,
+    task_tp_size: int = TP,
 ) -> int | None:
+    """The port a decode rank (dp, tp) is notified on; `world_size` None is a worker without
+    one (vLLM's own writer tests), `task_tp_size` 0 a task that does not know the decode TP."""
     # 0.14-0.23 finalize once every layer is written: one layer here
-    worker = WriterWorkerStandIn(tp, TP, remote_dp_size_local=DP_LOCAL, num_layers=1)
+    worker = WriterWorkerStandIn(tp, world_size, remote_dp_size_local=DP_LOCAL, num_layers=1)
     writer = engine.MoRIIOWriter(worker)
     names = {f.name for f in dataclasses.fields(common.WriteTask)}
     fields = {
@@ -295,7 +303,7 @@ def _write_notify_port(
         "event": None,
         "remote_notify_port": NOTIFY,
         "remote_ip": HOST,
-        "remote_tp_size": TP,
+        "remote_tp_size": task_tp_size,
         "remote_dp_size_local": DP_LOCAL,
         "remote_dp_size": DP_LOCAL,
     }

@@ -179,7 +179,7 @@ def _read_params_refusal(
     engine = params.get("remote_engine_id")
     if not isinstance(engine, str) or not engine:
         return f"remote_engine_id must be a non-empty string, got {{engine!r}}"
-    return _read_route_refusal(request.request_id, params)
+    return _read_route_refusal(getattr(request, "request_id", "?"), params)
 '''
 
 GUARD = f"""
@@ -193,7 +193,7 @@ if not self.is_producer and self.mode == MoRIIOMode.READ:
             "MoRIIO READ: request %s asked for a remote prefill but its kv_transfer_params "
             "cannot drive a READ of the tokens it would claim (%s); recomputing its prompt "
             "locally instead",
-            request.request_id,
+            getattr(request, "request_id", "?"),
             reason,
         )
         # As vLLM does once it has handled a request's READ: nothing is queued from these.
