@@ -408,8 +408,7 @@ def _upstream(target: str, focused: bool) -> None:
                 str(reports / "unpatched.xml"),
                 "--reviewed",
                 str(ROOT / "integration" / "upstream-differences.toml"),
-                "--label",
-                "carried natively",
+                "--native",
                 *[arg for fix in carried for arg in ("--fix", fix)],
             )
 
@@ -439,8 +438,8 @@ MATRIX_RESULTS = ROOT / "docs" / "support-matrix"
 # Releases real forks are built from, old enough to differ in shape: their matrix cells also run
 # the fork workflow on a tree of the release's own sources.
 FORK_RELEASES = ("0.17.1", "0.20.2")
-# Of those, the release whose fork workflow also runs `backport --write` (0.20.2 has its own
-# backport-focused session, which carries every fix and git-applies the patch).
+# Of those, the release whose fork workflow also runs `backport --write` (CI's backport-focused
+# session carries every fix into 0.31.0 and git-applies the patch).
 FORK_BACKPORT_RELEASES = ("0.17.1",)
 # Releases where vLLM's plugin loader meets an answer the test targets do not show
 # (sync-load-zeroing is "affected → fixed" on 0.31 only): their matrix cells also run
@@ -510,9 +509,11 @@ for _release in vllm_env.RELEASES:
 
 # ------------------------------------------------------------------ vllm-fixes backport
 # The release CI carries every fix that has a native transformation into with the command, the
-# patch git-applied (the full grid, `nox -t backport`, takes every release of the matrix; CI's
-# other native checks: 0.33.0 in the package sessions, 0.17.1 in its matrix cell's fork workflow).
-BACKPORT_FOCUSED = ("0.20.2",)
+# patch git-applied: 0.31.0, the one release that needs every fix (the full grid, `nox -t
+# backport`, takes every release of the matrix and each carried fix's negative control there).
+# CI's other native checks: every native test, negative controls included, in the package
+# sessions on 0.33.0; `backport --write` in the fork workflow of matrix-0.17.1.
+BACKPORT_FOCUSED = ("0.31.0",)
 
 
 def _native_controls(release: str) -> list[str]:
@@ -538,17 +539,18 @@ def _backport(release: str, focused: bool) -> None:
         _pytest(session, release, [str(ROOT / "integration" / "backport")], extra_env=size)
         # Each carried fix's negative control on this release: the plain tree shows the bug, the
         # tree its native change made does not, with every runtime fix off.
-        controls = _native_controls(release)
+        controls = [] if focused else _native_controls(release)
         if controls:
             _pytest(session, release, controls, "-m", "native_control", part="controls")
 
     if focused:
         session_fn.__doc__ = (
-            f"CI's focused form of backport-{release}: every fix with a native transformation that "
-            f"vLLM {release} needs, carried by vllm-fixes backport, git-applied, found clean; each "
-            "one's negative control on the changed tree"
+            f"backport-{release} without the negative controls (CI runs backport-focused-"
+            f"{BACKPORT_FOCUSED[0]}): every fix vLLM {release} needs, carried by vllm-fixes backport "
+            "(or refused with its reason), git-applied, found clean"
         )
-        name, tags = f"backport-focused-{release}", ["backport-focused", "ci", "lane-a", f"vllm-{release}"]
+        ci = ["ci", "lane-a"] if release in BACKPORT_FOCUSED else []
+        name, tags = f"backport-focused-{release}", ["backport-focused", *ci, f"vllm-{release}"]
     else:
         session_fn.__doc__ = (
             f"vllm-fixes backport on vLLM {release}'s sources: every fix the matrix says is affected "
@@ -561,8 +563,7 @@ def _backport(release: str, focused: bool) -> None:
 
 for _release in vllm_env.RELEASES:
     _backport(_release, focused=False)
-for _release in BACKPORT_FOCUSED:
-    _backport(_release, focused=True)
+    _backport(_release, focused=True)  # CI runs it for BACKPORT_FOCUSED
 
 
 # ------------------------------------------------------------------ quality

@@ -5,7 +5,7 @@
     python tools/upstream.py tests --root TESTS_PARENT                prints the test paths
     python tools/upstream.py native-tree --dest DIR [--report FILE]  prints a tree carrying the fixes natively
     python tools/upstream.py compare --release R --patched A.xml --unpatched B.xml --reviewed F.toml
-                                     [--focused] [--label WORDS] [--fix ID]...
+                                     [--focused] [--native] [--fix ID]...
 
 `fetch` downloads the release's source distribution from the package registry once (cached)
 and extracts its tests/. `compare` fails on every test that passes without the fixes and fails
@@ -16,8 +16,9 @@ the test of ours that shows why; a listed entry that no longer differs is report
 --write` carry into it every fix it can carry natively there (a fork's tree after `git apply`);
 the last line printed is DIR, the line before it the fixes written. Run with PYTHONPATH=DIR and
 VLLM_FIXES_DISABLE=all, vLLM's tests then test the native change instead of the runtime patch,
-and `compare --label "carried natively" --fix ID...` compares that run with the unpatched one
-(reviewed entries of fixes not carried are not expected to differ).
+and `compare --native --fix ID...` compares that run with the unpatched one (reviewed entries of
+fixes not carried are not expected to differ; an entry with `runs = ["native"]` differs only
+there, e.g. where the test's process never imports the module that loads the runtime fix).
 """
 
 from __future__ import annotations
@@ -184,12 +185,19 @@ def outcomes(report: Path) -> dict[str, str]:
     return result
 
 
-def reviewed(path: Path, release: str) -> dict[str, dict[str, str]]:
-    """test id -> entry, for the entries that name `release`."""
+RUNS = ("patched", "native")
+
+
+def reviewed(path: Path, release: str, run: str = "patched") -> dict[str, dict[str, str]]:
+    """test id -> entry, for the entries that name `release` and `run` ("patched": the runtime
+    fixes loaded; "native": a tree carrying them natively; an entry without `runs` is both)."""
     data = tomllib.loads(path.read_text())
     found = {}
     for entry in data.get("difference", []):
-        if release in entry["releases"]:
+        runs = entry.get("runs", list(RUNS))
+        if not set(runs) <= set(RUNS):
+            raise SystemExit(f"{path}: {entry.get('test')}: runs must be among {RUNS}, got {runs}")
+        if release in entry["releases"] and run in runs:
             for field in ("test", "fix", "reason", "shown_by"):
                 if not entry.get(field):
                     raise SystemExit(f"{path}: an entry for {entry.get('test')} has no {field}")
@@ -211,14 +219,18 @@ def compare(
     focused: bool = False,
     label: str = "with the fixes",
     fixes: list[str] | None = None,
+    run: str = "patched",
 ) -> int:
     """`focused`: the unpatched run covered only the tests that failed patched (CI's form), so
     "passes only with the fixes" cannot be known and is not reported. `fixes`: the fixes the
     patched run carries (None: every fix); reviewed entries of other fixes are left out.
-    `label` names the patched run in the report ("carried natively" for a native tree)."""
+    `label` names the patched run in the report ("carried natively" for a native tree), `run`
+    says which reviewed entries apply to it (see `reviewed`)."""
     with_fixes = {_key(k): v for k, v in outcomes(patched).items()}
     without = {_key(k): v for k, v in outcomes(unpatched).items()}
-    listed = {_key(k): v for k, v in reviewed(review, release).items() if fixes is None or v["fix"] in fixes}
+    listed = {
+        _key(k): v for k, v in reviewed(review, release, run).items() if fixes is None or v["fix"] in fixes
+    }
     broken = sorted(t for t, v in without.items() if v == "passed" and with_fixes.get(t) == "failed")
     fixed = sorted(t for t, v in without.items() if v == "failed" and with_fixes.get(t) == "passed")
     # Every test that failed patched must have been run unpatched (or the comparison is blind).
@@ -277,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument(
         "--focused", action="store_true", help="the unpatched run covered only the patched failures"
     )
-    c.add_argument("--label", default="with the fixes", help="what the patched run is, in the report")
+    c.add_argument(
+        "--native",
+        action="store_true",
+        help="the patched run is a tree carrying the fixes natively (its own reviewed entries, label)",
+    )
     c.add_argument("--fix", action="append", dest="fixes", help="a fix the patched run carries (repeat)")
     args = parser.parse_args(argv)
     if args.command == "fetch":
@@ -291,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(written))
         print(tree)
     else:
+        run, label = ("native", "carried natively") if args.native else ("patched", "with the fixes")
         return compare(
-            args.release, args.patched, args.unpatched, args.reviewed, args.focused, args.label, args.fixes
+            args.release, args.patched, args.unpatched, args.reviewed, args.focused, label, args.fixes, run
         )
     return 0
 

@@ -23,10 +23,10 @@ def junit(path: Path, outcomes: dict[str, str]) -> Path:
     return path
 
 
-def review(path: Path, tests: list[str]) -> Path:
+def review(path: Path, tests: list[str], runs: str = "") -> Path:
     entries = "".join(
         f'[[difference]]\ntest = "test_scheduler::{t}"\nreleases = ["0.33.0"]\nfix = "f"\n'
-        f'reason = "r"\nshown_by = "s"\n\n'
+        f'reason = "r"\nshown_by = "s"\n{runs}\n'
         for t in tests
     )
     path.write_text(entries)
@@ -81,3 +81,16 @@ def test_native_compare_expects_only_the_carried_fixes_entries(
     assert upstream.compare("0.33.0", *args, label="carried natively", fixes=["f"]) == 1
     out = capsys.readouterr().out
     assert "carried natively 1 passed" in out and "STALE review entry" in out
+
+
+def test_an_entry_for_the_native_run_only_is_not_expected_of_the_patched_run(tmp_path: Path) -> None:
+    """`runs = ["native"]`: the test differs on the native tree only (its process never loads
+    the runtime fix); the patched run does not need it (not stale there), the native run does."""
+    review_file = review(tmp_path / "review.toml", ["b"], runs='runs = ["native"]\n')
+    unpatched = junit(tmp_path / "u.xml", {"a": "passed", "b": "passed"})
+    same = junit(tmp_path / "p.xml", {"a": "passed", "b": "passed"})
+    differs = junit(tmp_path / "n.xml", {"a": "passed", "b": "failed"})
+    assert upstream.compare("0.33.0", same, unpatched, review_file) == 0
+    assert upstream.compare("0.33.0", differs, unpatched, review_file, run="native") == 0
+    assert upstream.compare("0.33.0", same, unpatched, review_file, run="native") == 1  # stale
+    assert upstream.compare("0.33.0", differs, unpatched, review_file) == 1  # unreviewed
