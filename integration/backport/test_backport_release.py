@@ -181,8 +181,9 @@ def expected_refusal(fix: str, release: str, natives: set[str]) -> str | None:
     known refusals, each with the words its reason must hold."""
     if fix not in natives:
         return "this fix has no native transformation"
-    if fix == "spec-kv-readiness":  # its change cannot be verified on CPU (see its declaration)
-        return "cannot observe device events"
+    if fix == "spec-kv-readiness" and Version(release) < Version("0.22"):
+        # execute_model collects the connector output before the draft: moved by hand (README)
+        return "execute_model collects the step's KV connector output"
     if fix == "sync-load-context" and Version(release) < Version("0.18"):
         return "InputBatch has no num_reqs_after_padding"
     return None

@@ -246,12 +246,14 @@ def test_patched_connector_calls_never_raise_where_vllm_does_not(
     its signature allows, ``defer_finalize`` given or not, metadata bound or not, disabled or
     not, async loads pending or not), on vLLM's own methods and on the patched ones: each call
     raises exactly where vLLM's raises, no completion is lost or invented (reported plus still
-    held by the connector is the same multiset), and a sequence without a deferred
+    held by the connector is the same set of request ids), and a sequence without a deferred
     post_forward makes the connector see exactly the same calls."""
     unpatched = _run_ops(sequence, speculative, read_publisher, patched=False)
     installed = _run_ops(sequence, speculative, read_publisher, patched=True)
     assert installed.errors == unpatched.errors
-    assert installed.reported + Counter(installed.left) == unpatched.reported + Counter(unpatched.left)
+    # Completions are request ids (vLLM's finished_sending is a set): the same id saved again
+    # before a drain is one completion held, so the ids are compared, not how often each shows.
+    assert set(installed.reported) | installed.left == set(unpatched.reported) | unpatched.left
     deferred = any(op[0] == "post_forward" and op[2] != "single" and op[3] for op in sequence)
     if not (V033 and deferred):
         assert installed.connector_calls == unpatched.connector_calls

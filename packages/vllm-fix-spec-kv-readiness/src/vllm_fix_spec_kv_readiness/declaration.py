@@ -1,7 +1,7 @@
 """The one declaration of this fix: runtime, tests, CLI and docs read it."""
 
 from vllm_fix_core import Fix, Links, ProcessKind, Target, Upstream, UpstreamStatus
-from vllm_fix_core.native import CannotCarry, NativeEdit, SourceTree
+from vllm_fix_core.native import NativeEdit, SourceTree
 
 KV_CONNECTOR = "vllm.v1.worker.gpu.kv_connector"
 ASYNC_UTILS = "vllm.v1.worker.gpu.async_utils"
@@ -14,17 +14,10 @@ def _links() -> Links:
     return Links(probe.probe, patch.recognize, patch.apply)
 
 
-# Why `vllm-fixes backport` writes no change for this fix (it offers only changes it verified).
-NO_NATIVE = (
-    "the change makes the published KV wait for CUDA events recorded after the draft forward; "
-    "backport verifies every change with the fix's CPU probe, which cannot observe device events "
-    "that code written into the tree records, so it offers no unverified change: carry it by hand "
-    "as this package's README ('Native carry') describes, or load the runtime fix"
-)
-
-
 def _native(tree: SourceTree) -> list[NativeEdit]:
-    raise CannotCarry(NO_NATIVE)
+    from vllm_fix_spec_kv_readiness import native
+
+    return native.transform(tree)
 
 
 FIX = Fix(

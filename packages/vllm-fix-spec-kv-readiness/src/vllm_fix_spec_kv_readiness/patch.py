@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import inspect
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger, original_of
@@ -85,11 +86,23 @@ def recognize() -> str:
     cls = kvc.ActiveKVConnector
     if "post_forward" not in cls.__dict__:
         raise UnknownShape("ActiveKVConnector.post_forward is not defined on the class")
-    post = original_of(cls, "post_forward")
     if "get_output" not in au.AsyncOutput.__dict__:
         raise UnknownShape("AsyncOutput.get_output is not defined on the class")
+    return shape_of(
+        original_of(cls, "post_forward"),
+        original_of(mr.GPUModelRunner, "sample_tokens"),
+        lambda: original_of(mr.GPUModelRunner, "execute_model"),
+        has_finalize_step="finalize_step" in cls.__dict__,
+    )
+
+
+def shape_of(
+    post: Any, sample_tokens: Any, execute_model: Callable[[], Any], *, has_finalize_step: bool
+) -> str:
+    """The shape of the MRV2 runner these functions (imported, or compiled from a source tree's
+    files: the native carry asks the same question) make up; UnknownShape for any other."""
     params = list(inspect.signature(post).parameters)
-    order = call_order(original_of(mr.GPUModelRunner, "sample_tokens"))
+    order = call_order(sample_tokens)
     drafts = [i for i in (_index(order, "propose"), _index(order, "propose_draft")) if i >= 0]
     propose = min(drafts) if drafts else -1
     output = _index(order, "AsyncOutput")
@@ -100,7 +113,7 @@ def recognize() -> str:
         if needed not in source:
             raise UnknownShape(f"post_forward no longer calls/reads {needed}")
     if params[:2] == ["self", "scheduler_output"]:
-        executes = call_order(original_of(mr.GPUModelRunner, "execute_model"))
+        executes = call_order(execute_model())
         if _index(executes, "post_forward") < 0 or _index(order, "post_forward") >= 0:
             raise UnknownShape(
                 "post_forward takes the scheduler output but execute_model does not collect the "
@@ -109,7 +122,7 @@ def recognize() -> str:
         shape = IN_EXECUTE
     elif params[:2] != ["self", "finished_req_ids"]:
         raise UnknownShape(f"unexpected signature post_forward{tuple(params)}")
-    elif "finalize_step" in cls.__dict__:
+    elif has_finalize_step:
         deferred = _index(order, "post_forward", keyword="defer_finalize")
         finalize = _index(order, "finalize_step")
         if "defer_finalize" not in params or not 0 <= deferred < propose < finalize:

@@ -15,7 +15,9 @@ the probe, in this thread:
   is what the attention layers' KV-transfer hook does, and then marks its last kernel);
 * the worker-side connector: records the order of calls; a save completes at ``wait_for_save``;
 * device events: recorded in call order (an ``AsyncOutput`` that records its copy event where
-  vLLM's does; step-done events created by whatever the installed code asks for).
+  vLLM's does; step-done events created by whatever the installed code asks for: the runtime
+  fix's ``readiness.record_step_done``, or ``torch.cuda.Event`` in a tree that carries the fix
+  natively, which this thread sees as the same recording stand-in while the probe runs).
 
 On CPU the order of submission is the device order (one stream), so "the output waits on an
 event recorded after the draft's last kernel" is checked as an ordering. The checks:
@@ -57,17 +59,33 @@ from vllm_fix_spec_kv_readiness.stand_ins import (
 _lock = threading.Lock()  # the probe swaps model_runner.AsyncOutput while it runs
 
 
+def _device_events(real: Any) -> Any:
+    """``torch.cuda.Event`` while the probe runs: in the probing thread, the probe's recording
+    stand-in (whatever the installed code asks for: a tree that carries the fix natively creates
+    its step-done event this way); in any other thread, a real device event."""
+
+    def event(*args: Any, **kwargs: Any) -> Any:
+        factory = readiness.event_factory()
+        return real(*args, **kwargs) if factory is None else factory()
+
+    return event
+
+
 @contextmanager
 def _cpu_device(step: Step) -> Iterator[None]:
+    import torch
     from vllm.v1.worker.gpu import model_runner
 
     with _lock:
         real = model_runner.AsyncOutput
+        real_event = torch.cuda.Event
         model_runner.AsyncOutput = async_output_class(real, step)
         readiness.override_events(lambda: Event("step-done", step))
+        torch.cuda.Event = _device_events(real_event)  # type: ignore[misc]
         try:
             yield
         finally:
+            torch.cuda.Event = real_event  # type: ignore[misc]
             readiness.override_events(None)
             model_runner.AsyncOutput = real
 

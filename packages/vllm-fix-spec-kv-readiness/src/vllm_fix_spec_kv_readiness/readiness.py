@@ -25,6 +25,8 @@ _logger = get_logger("spec-kv-readiness")
 READ_PUBLISHERS = frozenset({"NixlConnector", "NixlPullConnector"})
 PUSH_ONLY = frozenset({"NixlPushConnector"})
 MODE_DEPENDENT = frozenset({"MoRIIOConnector"})  # READ publisher only in READ mode
+READ_MODE = "READ"  # the name of the mode (an enum member) in which MODE_DEPENDENT ones publish
+MULTI_CONNECTOR = "MultiConnector"  # asks its children (`_connectors`)
 OPT_IN_ATTRIBUTE = "requires_full_step_completion"
 
 
@@ -45,14 +47,14 @@ def publishes_for_remote_read(connector: Any) -> bool:
         return bool(explicit)
     names = {klass.__name__ for klass in type(connector).__mro__}
     children = getattr(connector, "_connectors", None)
-    if "MultiConnector" in names and isinstance(children, (list, tuple)):
+    if MULTI_CONNECTOR in names and isinstance(children, (list, tuple)):
         return any(publishes_for_remote_read(child) for child in children)
     if not _is_producer(connector) or names & PUSH_ONLY:
         return False
     if names & READ_PUBLISHERS:
         return True
     if names & MODE_DEPENDENT:
-        return getattr(getattr(connector, "mode", None), "name", None) == "READ"
+        return getattr(getattr(connector, "mode", None), "name", None) == READ_MODE
     return False
 
 
@@ -103,9 +105,15 @@ def override_events(factory: Callable[[], Any] | None) -> None:
     _local.factory = factory
 
 
+def event_factory() -> Callable[[], Any] | None:
+    """This thread's stand-in for device events (`override_events`), or None."""
+    factory: Callable[[], Any] | None = getattr(_local, "factory", None)
+    return factory
+
+
 def record_step_done() -> Any:
     """An event recorded on the current stream now (after the step's last draft kernel), or None."""
-    factory = getattr(_local, "factory", None)
+    factory = event_factory()
     if factory is not None:
         event = factory()
     else:

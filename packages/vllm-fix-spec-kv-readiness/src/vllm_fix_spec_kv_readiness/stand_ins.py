@@ -17,6 +17,10 @@ These are the stand-ins the runtime probe decides with; the test support package
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -189,11 +193,37 @@ class _Eplb:
         yield
 
 
+@functools.lru_cache(maxsize=8)
+def _init_attributes(cls: type) -> frozenset[str] | None:
+    """The attributes ``cls.__init__`` sets on ``self`` (read from its source, once per class);
+    None when the source cannot be read."""
+    init = cls.__dict__.get("__init__")
+    if init is None:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    names = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            names.add(node.attr)
+    return frozenset(names)
+
+
 def async_output_class(base: type, step: Step) -> Any:
     """vLLM's AsyncOutput with the constructor a CPU can run: host copies, and the copy event
     recorded where vLLM records it (when sample_tokens builds the output). get_output is
     inherited: the installed one runs. The class's ``log`` is the step being recorded (whoever
-    reuses the class for the next step sets it)."""
+    reuses the class for the next step sets it). Attributes vLLM's own constructor sets and this
+    one does not (optional outputs: logprobs, NaN counts, aux, ...) read as None; any other
+    attribute is missing, as it would be on vLLM's object."""
+    optional = _init_attributes(base)
 
     class ProbeAsyncOutput(base):  # type: ignore[misc, valid-type]
         log: Step
@@ -208,7 +238,7 @@ def async_output_class(base: type, step: Step) -> Any:
             self.copy_event.record()
 
         def __getattr__(self, name: str) -> Any:  # optional outputs (logprobs, NaN counts, aux, ...)
-            if name.startswith("__"):
+            if name.startswith("__") or (optional is not None and name not in optional):
                 raise AttributeError(name)
             return None
 
