@@ -381,21 +381,8 @@ def _upstream(target: str, focused: bool) -> None:
                 success_codes=[0, 1, 5] if selection else [0, 1],
             )
         session.chdir(str(ROOT))
-        session.run(
-            "python",
-            str(ROOT / "tools" / "upstream.py"),
-            "compare",
-            "--release",
-            target,
-            "--patched",
-            str(reports / "patched.xml"),
-            "--unpatched",
-            str(reports / "unpatched.xml"),
-            "--reviewed",
-            str(ROOT / "integration" / "upstream-differences.toml"),
-            *(["--focused"] if focused else []),
-        )
-        if carried:
+
+        def compare(run: str, *extra: str) -> None:
             session.run(
                 "python",
                 str(ROOT / "tools" / "upstream.py"),
@@ -403,14 +390,17 @@ def _upstream(target: str, focused: bool) -> None:
                 "--release",
                 target,
                 "--patched",
-                str(reports / "native.xml"),
+                str(reports / f"{run}.xml"),
                 "--unpatched",
                 str(reports / "unpatched.xml"),
                 "--reviewed",
                 str(ROOT / "integration" / "upstream-differences.toml"),
-                "--native",
-                *[arg for fix in carried for arg in ("--fix", fix)],
+                *extra,
             )
+
+        compare("patched", *(["--focused"] if focused else []))
+        if carried:
+            compare("native", "--native", *[arg for fix in carried for arg in ("--fix", fix)])
 
     if focused:
         session_fn.__doc__ = (

