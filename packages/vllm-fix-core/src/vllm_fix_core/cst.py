@@ -100,13 +100,23 @@ def body_statements(func: cst.FunctionDef) -> list[cst.BaseStatement]:
     return list(func.body.body)
 
 
+def is_docstring(stmt: cst.BaseStatement) -> bool:
+    """The statement is a string literal on its own line (a docstring where it comes first)."""
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+        expr = stmt.body[0]
+        return isinstance(expr, cst.Expr) and isinstance(
+            expr.value, (cst.SimpleString, cst.ConcatenatedString)
+        )
+    return False
+
+
 def _docstring_count(body: Sequence[cst.BaseStatement]) -> int:
-    first = body[0] if body else None
-    if isinstance(first, cst.SimpleStatementLine) and len(first.body) == 1:
-        expr = first.body[0]
-        if isinstance(expr, cst.Expr) and isinstance(expr.value, (cst.SimpleString, cst.ConcatenatedString)):
-            return 1
-    return 0
+    return 1 if body and is_docstring(body[0]) else 0
+
+
+def code(node: cst.CSTNode) -> str:
+    """The source text of `node` as it stands (its own formatting and comments)."""
+    return cst.Module(body=[]).code_for_node(node)
 
 
 def with_body(func: cst.FunctionDef, body: Sequence[cst.BaseStatement]) -> cst.FunctionDef:
@@ -366,12 +376,14 @@ __all__ = [
     "calls",
     "change_function",
     "class_names_defined",
+    "code",
     "comment_line",
     "dotted",
     "find_function",
     "forwarding_call",
     "function_code",
     "insert_after",
+    "is_docstring",
     "module_names",
     "names_called",
     "parse",

@@ -104,12 +104,7 @@ def recognize(tree: SourceTree) -> str:
 
 def _docstring(func: cst.FunctionDef) -> list[cst.BaseStatement]:
     body = c.body_statements(func)
-    first = body[0] if body else None
-    if isinstance(first, cst.SimpleStatementLine) and len(first.body) == 1:
-        expr = first.body[0]
-        if isinstance(expr, cst.Expr) and isinstance(expr.value, (cst.SimpleString, cst.ConcatenatedString)):
-            return [first]
-    return []
+    return body[:1] if body and c.is_docstring(body[0]) else []
 
 
 def _by_rule(func: cst.FunctionDef) -> cst.FunctionDef:

@@ -178,10 +178,6 @@ def recognize(tree: SourceTree) -> str:
 # --- what the changed functions are built from -------------------------------------------
 
 
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module(body=[]).code_for_node(node)
-
-
 def _calls(node: cst.CSTNode, suffix: str) -> list[cst.Call]:
     """Calls in `node` whose dotted callee ends with `suffix` ("propose" matches
     "self.speculator.propose")."""
@@ -243,7 +239,7 @@ def _async_output(body: Sequence[cst.BaseStatement]) -> str:
 
 
 def _record(connector: str, drafted: cst.BaseExpression, output: str) -> list[cst.BaseStatement]:
-    test = _code(drafted).strip()
+    test = c.code(drafted).strip()
     if isinstance(drafted, (cst.BooleanOperation, cst.IfExp, cst.Lambda, cst.NamedExpr)):
         test = f"({test})"
     code = RECORD.format(connector=connector, helper=HELPER, drafted=test, event=EVENT, output=output)
@@ -344,7 +340,7 @@ def _assigned_target(stmt: cst.BaseStatement) -> str | None:
 
 def _sample_tokens(shape: str) -> Callable[[cst.FunctionDef], cst.FunctionDef]:
     def change(func: cst.FunctionDef) -> cst.FunctionDef:
-        code = _code(func)
+        code = c.code(func)
         taken = [name for name in (HELPER, EVENT) if name in code]
         if taken:
             raise CannotCarry(f"{SAMPLE_TOKENS} already uses the names {taken}")
@@ -411,7 +407,7 @@ def _async_output_class(source: str) -> str:
     attribute = c.statements(ATTRIBUTE)
     attribute[0] = c.with_comment(attribute[0], MARK_OUTPUT)
     body = list(klass.body.body)
-    at = 1 if body and _is_docstring(body[0]) else 0  # after the class's docstring
+    at = 1 if body and c.is_docstring(body[0]) else 0  # after the class's docstring
     if at < len(body):  # one blank line between the attribute and what follows it
         after = body[at]
         if not isinstance(after, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
@@ -419,15 +415,6 @@ def _async_output_class(source: str) -> str:
         body[at] = after.with_changes(leading_lines=[cst.EmptyLine(indent=False), *after.leading_lines])
     new = klass.with_changes(body=klass.body.with_changes(body=[*body[:at], *attribute, *body[at:]]))
     return module.with_changes(body=[new if s is klass else s for s in module.body]).code
-
-
-def _is_docstring(stmt: cst.BaseStatement) -> bool:
-    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
-        expr = stmt.body[0]
-        return isinstance(expr, cst.Expr) and isinstance(
-            expr.value, (cst.SimpleString, cst.ConcatenatedString)
-        )
-    return False
 
 
 def transform(tree: SourceTree) -> list[NativeEdit]:
