@@ -155,7 +155,7 @@ def bases(session: nox.Session) -> None:
 
 
 # ------------------------------------------------------------------ each package alone
-def _package_session(pkg: workspace.Package, target: str) -> None:
+def _package_session(pkg: workspace.Package, target: str, *, ci: bool = True) -> None:
     def session_fn(session: nox.Session) -> None:
         local, _ = workspace.local_closure(pkg)
         # Only this package and its local dependencies (its own `test` extra included).
@@ -178,7 +178,7 @@ def _package_session(pkg: workspace.Package, target: str) -> None:
         _pytest(session, target, [str(pkg.tests)], "-m", "not stress", *natives)
 
     session_fn.__doc__ = f"{pkg.name} alone on vLLM {target}"
-    tags = ["tests", "ci", "lane-b", f"vllm-{target}", pkg.slug]
+    tags = ["tests", *(["ci", "lane-b"] if ci else ["newest-target"]), f"vllm-{target}", pkg.slug]
     nox.session(name=f"{pkg.slug}-{target}", python=PYTHON, tags=tags)(session_fn)
 
 
@@ -186,6 +186,11 @@ for _pkg in workspace.packages():
     if _pkg.tests.is_dir():
         for _target in _pkg.test_targets:
             _package_session(_pkg, _target)
+        # The newest release: every package's tests on its sources (`nox -t newest-target`); CI
+        # runs its matrix cell and the guest test there (integration-<newest>), and the package
+        # sessions of the targets above (see docs/releasing.md for when the newest joins them).
+        if vllm_env.NEWEST not in _pkg.test_targets:
+            _package_session(_pkg, vllm_env.NEWEST, ci=False)
 
 
 # ------------------------------------------------------------------ combined / stress / verify
@@ -240,6 +245,44 @@ def _disagg(size: str) -> None:
 
 _disagg("full")
 _disagg("focused")
+
+
+def _drift(size: str) -> None:
+    """The drift drill (integration/drift) on the newest release of the matrix."""
+    target = vllm_env.NEWEST
+
+    def session_fn(session: nox.Session) -> None:
+        meta = workspace.by_name()[workspace.META]
+        local, _ = workspace.local_closure(meta, extras=())
+        testing = workspace.by_name()["vllm-fix-testing"]
+        _install(session, target, [*local, testing])
+        _pytest(session, target, [str(ROOT / "integration" / "drift")], extra_env={"FIXES_DRIFT": size})
+
+    if size == "full":
+        session_fn.__doc__ = (
+            f"the drift drill on vLLM {target}: each benign drift alone and all together, and the "
+            "semantic drifts, asked with verify --source"
+        )
+        name, tags = f"drift-{target}", ["drift", f"vllm-{target}"]
+    else:
+        session_fn.__doc__ = (
+            f"CI's focused form of drift-{target}: every benign drift in one tree, the semantic drifts"
+        )
+        name, tags = f"drift-focused-{target}", ["drift-focused", "ci", "lane-a", f"vllm-{target}"]
+    nox.session(name=name, python=PYTHON, tags=tags)(session_fn)
+
+
+_drift("full")
+_drift("focused")
+
+
+@nox.session(
+    name=f"guest-{vllm_env.NEWEST}", python=PYTHON, tags=["newest-target", f"vllm-{vllm_env.NEWEST}"]
+)
+def guest_newest(session: nox.Session) -> None:
+    """The guest test (integration/test_guest.py) on the newest release (CI runs it in integration-<target>)."""
+    _all_installed(session, vllm_env.NEWEST)
+    _pytest(session, vllm_env.NEWEST, [str(ROOT / "integration" / "test_guest.py")])
 
 
 def _stress_folders() -> list[tuple[str, Path]]:
@@ -488,7 +531,8 @@ def _matrix(release: str) -> None:
         + ("; then the fork workflow on a tree of this release" if release in FORK_RELEASES else "")
         + ("; then every fix loaded by vLLM's plugin loader" if release in PLUGIN_LOAD_RELEASES else "")
     )
-    older_half = vllm_env.RELEASES.index(release) < len(vllm_env.RELEASES) // 2
+    # The older half (the larger one, for an odd count) in lane b: lane a holds the drift drill.
+    older_half = vllm_env.RELEASES.index(release) < (len(vllm_env.RELEASES) + 1) // 2
     tags = ["matrix", "ci", "lane-b" if older_half else "lane-a", f"vllm-{release}"]
     nox.session(name=f"matrix-{release}", python=PYTHON, tags=tags)(session_fn)
 
@@ -725,3 +769,70 @@ def install_into_vllm(session: nox.Session) -> None:
     session.run(
         str(env_dir / "bin" / "python"), str(ROOT / "tools" / "check_install.py"), env=env, external=True
     )
+
+
+# ------------------------------------------------------------------ the newest release (daily)
+# Never in CI (`ci` tag): its answer depends on what the registry holds today. The scheduled
+# workflow .github/workflows/newest.yml runs it; docs/releasing.md says what to do when it fails.
+import newest as newest_tool  # noqa: E402
+from nox.command import CommandFailed  # noqa: E402
+
+
+@nox.session(python=PYTHON, tags=["newest"])
+def newest(session: nox.Session) -> None:
+    """vllm-fixes verify and every package's tests on the registry's newest vLLM (daily, never CI).
+
+    Fails, after running everything, with one line per fix that cannot check, is refused or
+    fails to fix there, per package whose tests fail, and for a release newer than the matrix's.
+    """
+    try:
+        available = newest_tool.registry_versions(PYTHON)
+    except newest_tool.RegistryError as exc:
+        session.error(f"newest: could not ask the registry: {exc}")
+    release = newest_tool.newest(available)
+    if release is None:
+        session.error(f"newest: the registry offered no vLLM release: {available}")
+    covered, coverage = newest_tool.check(available, vllm_env.RELEASES)
+    session.log(f"the registry's newest vLLM: {release}")
+    with newest_tool.admitted(release):
+        _all_installed(session, release)
+    problems: list[str] = []
+    out = Path(session.create_tmp()).resolve() / f"verify-{release}.json"
+    out.unlink(missing_ok=True)
+    try:
+        session.run(
+            "python",
+            str(ROOT / "tools" / "newest.py"),
+            "verify",
+            "--release",
+            release,
+            "--out",
+            str(out),
+            env=_env(release),
+        )
+    except CommandFailed:
+        judged = newest_tool.judge(json.loads(out.read_text()), release) if out.exists() else []
+        problems += judged or [f"newest {release}: vllm-fixes verify failed (its output is above)"]
+    # Every package's tests, one process per package, as the package sessions run them (a native
+    # carry's tests only on the newest test target; the backport sessions carry the releases).
+    natives = (
+        []
+        if release == TARGETS[-1]
+        else ["--ignore-glob=*/test_*_native.py", "--ignore-glob=*/test_backport.py"]
+    )
+    for pkg in workspace.packages():
+        if not pkg.tests.is_dir():
+            continue
+        report = REPORTS / f"{session.name}-{pkg.slug}.xml"
+        report.unlink(missing_ok=True)  # never an earlier run's counts
+        try:
+            _pytest(session, release, [str(pkg.tests)], "-m", "not stress", *natives, part=pkg.slug)
+        except CommandFailed:
+            problems.append(newest_tool.tests_failed(release, pkg.name, report))
+    if covered:
+        problems.append(coverage)
+    else:
+        session.log(coverage)
+    if problems:
+        session.error("\n" + "\n".join(problems))
+    session.log(f"newest {release}: every fix works and every package's tests pass")

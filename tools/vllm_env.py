@@ -50,8 +50,11 @@ RELEASES = (
     "0.31.0",
     "0.32.0",
     "0.33.0",
+    "0.34.0",
 )
 ALL_TARGETS = tuple(dict.fromkeys((*RELEASES, *TARGETS)))
+# The newest release of the matrix: every package's tests run on it too (not in CI's lanes).
+NEWEST = RELEASES[-1]
 # MoRIIO imports msgpack; neither vLLM release declares it.
 EXTRA = ["msgpack"]
 

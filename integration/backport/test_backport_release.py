@@ -207,7 +207,7 @@ def test_each_needed_fix_is_carried_or_says_why(grid: Grid) -> None:
             assert record["files"], record
         else:
             refused = True
-            assert record["result"] == "cannot be carried natively here", record
+            assert record["result"] == "refused", record
             assert why in record["reason"] and not record["files"], record
     assert grid.code == (1 if refused else 0)
 

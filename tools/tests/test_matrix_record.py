@@ -71,3 +71,43 @@ def test_failed_to_fix_fails_whatever_is_stored(tmp_path: Path) -> None:
     result, hostile = cell(tmp_path, {}, answer="failed to fix")
     store = tmp_path / "store"
     assert matrix.record(RELEASE, result, store, write=True, hostile=hostile) == 1
+
+
+def _judge(store: Path, answer: str) -> None:
+    store.mkdir(parents=True, exist_ok=True)
+    (store / "judgements.toml").write_text(
+        f'["{RELEASE}".demo]\nanswer = "{answer}"\nwhy = "read from the release\'s source"\n',
+        encoding="utf-8",
+    )
+
+
+def test_an_answer_that_contradicts_its_judgement_is_neither_stored_nor_accepted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result, hostile = cell(tmp_path, {"A.f": "observed"}, answer="fixed upstream")
+    store = tmp_path / "store"
+    _judge(store, "affected → fixed")
+    assert matrix.record(RELEASE, result, store, write=True, hostile=hostile) == 1
+    assert not (store / f"{RELEASE}.json").exists()
+    out = capsys.readouterr().out
+    assert "demo: answers 'fixed upstream', judged 'affected → fixed' from the source" in out
+
+
+def test_an_answer_that_matches_its_judgement_is_stored_and_rendered_with_the_reason(tmp_path: Path) -> None:
+    result, hostile = cell(tmp_path, {"A.f": "observed"})
+    store = tmp_path / "store"
+    _judge(store, "affected → fixed")
+    assert matrix.record(RELEASE, result, store, write=True, hostile=hostile) == 0
+    assert matrix.record(RELEASE, result, store, write=False, hostile=hostile) == 0
+    assert "Judged from the release's source: read from the release's source" in matrix.render(store)
+
+
+def test_a_judgement_without_its_reason_is_an_error(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "judgements.toml").write_text(
+        f'["{RELEASE}".demo]\nanswer = "fixed upstream"\n', encoding="utf-8"
+    )
+    result, hostile = cell(tmp_path, {"A.f": "observed"})
+    with pytest.raises(ValueError, match="lacks why"):
+        matrix.record(RELEASE, result, store, write=False, hostile=hostile)

@@ -205,7 +205,8 @@ def test_a_needed_fix_is_written_and_verified_and_the_diff_applies(world: World,
     original = world.widget()
     result = carry(fix, world.tree, tmp_path / "work")
     assert result.result is Carried.WRITTEN, result
-    assert result.reason == "the changed tree carries it already (probe verified)"
+    assert result.reason == "written; on the changed tree the fix's probe no longer sees the bug"
+    assert result.requires == () and result.record()["requires"] == []
     (edit,) = result.edits
     assert edit.path == "vllm/demo_widget.py" and edit.before == original
     # Only compute() changed: one marker line and one statement, comments and formatting kept.
@@ -226,8 +227,8 @@ def test_a_carried_tree_is_not_needed_a_second_time(world: World, tmp_path: Path
     first = carry(fix, world.tree, tmp_path / "first")
     write_edits(world.tree.root, first.edits)
     again = carry(fix, world.tree, tmp_path / "again")
-    assert again.result is Carried.NOT_NEEDED and again.edits == ()
-    assert again.reason.startswith("the tree carries it already ("), again.reason
+    assert again.result is Carried.CARRIES_IT and again.edits == ()
+    assert again.reason.startswith("the tree behaves correctly already; nothing written ("), again.reason
     assert "wrong-result=ok" in again.reason  # the probe's own check, in the ladder's words
 
 
@@ -235,7 +236,33 @@ def test_a_tree_that_behaves_right_needs_no_transformation(world: World, tmp_pat
     right = make_tree(tmp_path / "right", WIDGET.replace("return x - 1", "return x + 2"))
     for kind in ("none", "cannot"):  # never asked for: the tree does not need it
         result = carry(world.fix("shift", kind), right, tmp_path / kind)
-        assert (result.result, result.edits) == (Carried.NOT_NEEDED, ()), result
+        assert (result.result, result.edits) == (Carried.CARRIES_IT, ()), result
+
+
+def test_a_tree_without_the_code_is_not_applicable_not_carried_already(world: World, tmp_path: Path) -> None:
+    asked = {"fix": "x", "answer": "not applicable", "reason": "vllm.demo_widget is not part of this vLLM"}
+    result = carry(world.fix("compute"), world.tree, tmp_path / "work", asked)
+    assert (result.result, result.edits) == (Carried.NOT_APPLICABLE, ()), result
+    assert result.reason == (
+        "the code the bug lives in is not in this tree (vllm.demo_widget is not part of this vLLM)"
+    )
+    assert result.record()["result"] == "not applicable"
+
+
+def test_what_a_written_carry_requires_is_in_its_record_and_its_patch_header(
+    world: World, tmp_path: Path
+) -> None:
+    import dataclasses
+
+    need = "MORI v0.1.0 or later (its listener reports the port it bound)"
+    fix = dataclasses.replace(world.fix("compute"), native_requires=(need,))
+    done = backport([fix], world.tree, tmp_path / "work")
+    (result,) = done.results
+    assert result.result is Carried.WRITTEN and result.requires == (need,)
+    assert result.record()["requires"] == [need]
+    headers = [line for line in done.patch().splitlines() if line.startswith("# ")]
+    assert headers[1] == f"# vllm-fixes backport {fix.id}: requires {need}"
+    check_applies(done.patch(), world.tree, tmp_path / "apply")  # the extra header line is a comment
 
 
 @pytest.mark.parametrize(
@@ -253,7 +280,7 @@ def test_a_fix_that_cannot_be_carried_says_why_and_writes_nothing(
 ) -> None:
     original = world.widget()
     result = carry(world.fix("compute", kind), world.tree, tmp_path / "work")
-    assert result.result is Carried.CANNOT
+    assert result.result is Carried.REFUSED
     assert result.reason.startswith(reason), result.reason
     assert result.edits == () and world.widget() == original
 
@@ -263,7 +290,7 @@ def test_a_tree_whose_check_cannot_run_is_cannot_with_the_childs_error(world: Wo
         tmp_path / "broken", WIDGET.replace("class Widget:", "import no_such_module\n\nclass Widget:")
     )
     result = carry(world.fix("compute"), broken, tmp_path / "work")
-    assert result.result is Carried.CANNOT
+    assert result.result is Carried.REFUSED
     assert result.reason.startswith("the tree's answer is cannot check: vllm.demo_widget failed to import")
 
 
@@ -282,8 +309,8 @@ def test_two_fixes_of_one_file_chain(world: World, tmp_path: Path) -> None:
     clean = check_applies(done.patch(), world.tree, tmp_path / "apply")
     assert (clean / final.path).read_text() == final.after
     assert done.summary() == (
-        f"backport of {world.tree.root}: 2 fixes — 2 written and verified, 0 not needed, "
-        "0 cannot be carried natively here"
+        f"backport of {world.tree.root}: 2 fixes — 2 written and verified, 0 carries it already, "
+        "0 not applicable, 0 refused"
     )
 
 
@@ -294,9 +321,8 @@ def test_the_patch_has_one_section_per_fix(world: World, tmp_path: Path) -> None
     headers = [line for line in done.patch().splitlines() if line.startswith("# ")]
     assert headers == [
         f"# vllm-fixes backport {good.id}: written and verified "
-        "(the changed tree carries it already (probe verified))",
-        f"# vllm-fixes backport {bad.id}: cannot be carried natively here "
-        "(this fix has no native transformation)",
+        "(written; on the changed tree the fix's probe no longer sees the bug)",
+        f"# vllm-fixes backport {bad.id}: refused (this fix has no native transformation)",
     ]
     assert [e.path for e in done.edits] == ["vllm/demo_widget.py"]
 
@@ -382,7 +408,7 @@ def test_the_command_prints_a_patch_git_apply_and_patch_accept(world: World, tmp
     assert world.widget() == original  # without --write the tree is not touched
     # The table and the summary line go to stderr, with a progress line per fix.
     assert f"vllm-fixes backport: {second.id}: written and verified" in out.stderr
-    assert "2 fixes — 2 written and verified, 0 not needed, 0 cannot be carried natively here" in out.stderr
+    assert "2 fixes — 2 written and verified, 0 carries it already, 0 not applicable, 0 refused" in out.stderr
 
 
 def test_write_changes_the_tree_only_with_what_verified(world: World) -> None:
@@ -394,7 +420,7 @@ def test_write_changes_the_tree_only_with_what_verified(world: World) -> None:
     data = json.loads(refused.stdout)
     assert data["written"] is False and world.widget() == original
     (record,) = data["fixes"]
-    assert record["fix"] == bad.id and record["result"] == "cannot be carried natively here"
+    assert record["fix"] == bad.id and record["result"] == "refused"
     assert record["reason"].startswith("the change did not verify: the changed tree answers would fix")
     assert record["files"] == []
     both = world.cli("--source", str(world.tree.root), "--write", "--json")
@@ -403,12 +429,12 @@ def test_write_changes_the_tree_only_with_what_verified(world: World) -> None:
     assert data["written"] is True
     assert {r["fix"]: (r["result"], r["files"]) for r in data["fixes"]} == {
         good.id: ("written and verified", ["vllm/demo_widget.py"]),
-        bad.id: ("cannot be carried natively here", []),
+        bad.id: ("refused", []),
     }
     changed = world.widget()
     assert changed != original and changed.count("# vllm-fixes ") == 1 and "x = x + 1" in changed
     again = world.cli("--source", str(world.tree.root), "--fix", good.id, "--json")
-    assert json.loads(again.stdout)["fixes"][0]["result"] == "not needed", again.stdout
+    assert json.loads(again.stdout)["fixes"][0]["result"] == "carries it already", again.stdout
 
 
 def test_output_writes_the_patch_file(world: World, tmp_path: Path) -> None:
@@ -435,5 +461,5 @@ def test_backport_result_type_is_what_the_command_reports(world: World, tmp_path
     done = backport([], world.tree, tmp_path / "work")
     assert isinstance(done, Backport) and done.results == () and done.patch() == "" and done.failed == []
     assert textwrap.dedent(done.summary()).endswith(
-        "0 fixes — 0 written and verified, 0 not needed, 0 cannot be carried natively here"
+        "0 fixes — 0 written and verified, 0 carries it already, 0 not applicable, 0 refused"
     )

@@ -199,3 +199,88 @@ def test_same_fingerprint_as_inspect_for_edge_shapes(tmp_path: Path, monkeypatch
         assert ast_fingerprint(func) == inspect_fingerprint(func), func.__qualname__
     # parsed once per code object: the second call returns the same tree
     assert function_ast(module.nested) is function_ast(module.nested)
+
+
+# ---------------------------------------------------------------- drift-tolerant (canonical)
+_BASE = """
+def target(self, items, *, limit=3):
+    total = 0
+    for item in items[:limit]:
+        total += item
+    return total
+"""
+
+_SAME = {
+    "renamed-local": _BASE.replace("total", "acc"),
+    "log-line": _BASE.replace("    total = 0\n", "    logger.debug('summing %d', limit)\n    total = 0\n"),
+    "getLogger-line": _BASE.replace(
+        "    return total", "    logging.getLogger(__name__).info('done')\n    return total"
+    ),
+    "unused-keyword": _BASE.replace("*, limit=3", "*, limit=3, drift_option=None"),
+}
+_DIFFERENT = {
+    "changed-operator": _BASE.replace("total += item", "total -= item"),
+    "used-keyword": _BASE.replace("*, limit=3", "*, limit=3, scale=1").replace(
+        "total += item", "total += item * scale"
+    ),
+    "changed-call": _BASE.replace("items[:limit]", "items[limit:]"),
+    "renamed-parameter": _BASE.replace("items", "values"),
+}
+
+
+def _compiled(source: str, tmp_path: Any, name: str) -> Any:
+    path = tmp_path / f"canonical_{name.replace('-', '_')}.py"
+    path.write_text(source, encoding="utf-8")
+    namespace: dict[str, Any] = {}
+    exec(compile(source, str(path), "exec"), namespace)  # the file is what inspect reads
+    return namespace["target"]
+
+
+@pytest.mark.parametrize("name", sorted(_SAME))
+def test_a_benign_drift_keeps_the_canonical_fingerprint(name: str, tmp_path: Any) -> None:
+    from vllm_fix_core.fingerprint import ast_fingerprint, canonical_fingerprint
+
+    base, drifted = _compiled(_BASE, tmp_path, "base"), _compiled(_SAME[name], tmp_path, name)
+    assert ast_fingerprint(base) != ast_fingerprint(drifted)  # the exact one sees the change
+    assert canonical_fingerprint(base) == canonical_fingerprint(drifted)
+
+
+@pytest.mark.parametrize("name", sorted(_DIFFERENT))
+def test_a_change_of_behaviour_changes_the_canonical_fingerprint(name: str, tmp_path: Any) -> None:
+    from vllm_fix_core.fingerprint import canonical_fingerprint
+
+    base, changed = _compiled(_BASE, tmp_path, "base"), _compiled(_DIFFERENT[name], tmp_path, name)
+    assert canonical_fingerprint(base) != canonical_fingerprint(changed)
+
+
+def test_a_replacement_takes_and_ignores_the_dropped_keywords(tmp_path: Any) -> None:
+    from vllm_fix_core.fingerprint import canonical_function, dropping
+
+    drifted = _compiled(_SAME["unused-keyword"], tmp_path, "unused")
+    dropped = canonical_function(drifted)[1]
+    assert dropped == ("drift_option",)
+
+    def replacement(self: Any, items: list[int], *, limit: int = 3) -> int:
+        return sum(items[:limit])
+
+    adapted = dropping(replacement, dropped)
+    assert adapted(None, [1, 2, 3, 4], drift_option="x") == drifted(None, [1, 2, 3, 4], drift_option="x") == 6
+    with pytest.raises(TypeError):
+        adapted(None, [1], other=1)  # only the dropped names are taken
+    assert dropping(replacement, ()) is replacement
+
+
+def test_call_params_leave_out_only_added_defaulted_keywords() -> None:
+    from vllm_fix_core.fingerprint import call_params
+
+    def target(self: Any, request: Any, n: int, *args: Any, known: int = 1, added: Any = None) -> None:
+        return None
+
+    assert call_params(target, ["known"]) == ["self", "request", "n", "args", "known"]
+    assert call_params(target) == ["self", "request", "n", "args"]
+
+    def required(self: Any, *, must: int) -> None:  # a required keyword changes every call
+        return None
+
+    assert call_params(required) == ["self", "must"]
+    assert call_params(staticmethod(required)) == ["self", "must"]

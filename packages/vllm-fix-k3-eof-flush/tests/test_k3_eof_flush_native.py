@@ -54,9 +54,10 @@ def test_carry_is_written_and_touches_only_parse_delta(
     # vLLM's body is kept, byte for byte, under the private name; the rest only gains lines.
     removed = [ln[1:] for ln in edit.diff().splitlines() if ln.startswith("-") and not ln.startswith("---")]
     assert [ln.strip() for ln in removed] == ["from typing import TYPE_CHECKING", "def parse_delta("]
+    assert edit.after.count("\nimport logging\n") == 1
     assert native.HOLDING in native.c.module_names(edit.after) or f"def {native.HOLDING}(" in edit.after
     added = native.c.module_names(edit.after) - native.c.module_names(edit.before)
-    assert added == {"_k3_held_tail", "_release_held_tail", "Any"}
+    assert added == {"_k3_held_tail", "_release_held_tail", "Any", "logging"}
 
 
 @pytest.mark.native_control
@@ -75,6 +76,33 @@ def test_negative_controls_pass_on_the_changed_tree_and_fail_on_the_plain_one(
     assert fixed["think"][0] == "Compare x <"
     assert fixed["markers"] == plain["markers"] == ["Plan.", "Hi"]
     assert fixed["held"] == plain["held"] == ["Plan.", "List"]
+
+
+# The runtime fix's "never harm the stream" path, on the changed tree: a tail that cannot be
+# computed is not released, the stream ends as vLLM made it, and the failure is logged.
+BROKEN = """
+import json, logging
+import vllm.parser.kimi_k3 as k3
+from vllm_fix_k3_eof_flush.probe import SEQUENCE, streamed
+
+def broken(*args, **kwargs):
+    raise RuntimeError("a readiness helper failed")
+
+k3._k3_held_tail = broken
+seen = []
+class Seen(logging.Handler):
+    def emit(self, record):
+        seen.append(record.getMessage())
+logging.getLogger("vllm.parser.kimi_k3").addHandler(Seen())
+print(json.dumps({"plain": streamed(SEQUENCE), "logged": seen}))
+"""
+
+
+def test_a_tail_that_cannot_be_computed_leaves_the_final_delta_as_vllm_made_it(carried: nt.Carry) -> None:
+    _, _, changed = carried
+    out = nt.run_in_tree(changed, BROKEN)
+    assert out["plain"] == ["Plan.", "List"]  # vLLM's own final delta, no exception to the client
+    assert out["logged"] == ["held-back tail not released"]
 
 
 def test_a_drifted_body_cannot_be_carried(carried: nt.Carry, tmp_path: Path) -> None:

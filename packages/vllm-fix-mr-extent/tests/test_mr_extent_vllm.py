@@ -81,7 +81,7 @@ def build(scenario: probe.Scenario) -> tuple[torch.Tensor, dict[str, int]]:
 
 
 def test_releases_under_test() -> None:
-    assert str(vllm_version()) in {"0.32.0", "0.33.0"}
+    assert str(vllm_version()) in {"0.32.0", "0.33.0", "0.34.0"}
 
 
 # ---- negative controls and the fix on the §2.3 inputs ------------------------------------------
@@ -202,26 +202,49 @@ def test_other_storage_not_refused_unpatched() -> None:
     # else: it built a registration from a foreign storage without a word: the bug
 
 
-def test_other_storage_never_raises_where_vllm_does_not(caplog: pytest.LogCaptureFixture) -> None:
-    """Layers on two allocations: the rule cannot plan one region. Where vLLM's own body
-    raises, the fix raises its refusal naming both layers (a ValueError, as vLLM's); where
-    vLLM's body returns, the fix returns exactly vLLM's registration and warns, naming both."""
+def test_other_storage_never_gets_an_offset_outside_the_region() -> None:
+    """Layers on two allocations: the rule cannot plan one region. vLLM's own body registers
+    the first layer's storage and hands the second layer an offset outside it (a transfer
+    outside the registered memory, silently); the fix never hands that on: start-up stops with
+    a ValueError naming the layer outside and both storages."""
     scenario = two_storages()
     try:
-        want: tuple[torch.Tensor, dict[str, int]] | None = build(scenario)
+        reg, offsets = build(scenario)
     except Exception:
-        want = None
-    with applied(FIX):
-        if want is None:
-            with pytest.raises(SharedMRError) as err:
-                build(scenario)
-            text = str(err.value)
-        else:
-            with caplog.at_level(logging.WARNING, logger="vllm.fixes.mr-extent"):
-                reg, offsets = build(scenario)
-            assert (reg.data_ptr(), reg.numel(), offsets) == (want[0].data_ptr(), want[0].numel(), want[1])
-            text = caplog.text
-    assert "'model.layers.0.attn'" in text and "'model.layers.9.attn'" in text
+        reg = None
+    if reg is not None:  # vLLM's registration: the second layer's offset is outside it
+        start, end = reg.data_ptr(), reg.data_ptr() + reg.numel()
+        second = scenario.kv_caches["model.layers.9.attn"].data_ptr()
+        assert not start <= second < end, "vLLM's registration already covers the second layer"
+        assert offsets["model.layers.9.attn"] == second - start  # an offset outside the region
+    with applied(FIX), pytest.raises(SharedMRError) as err:
+        build(scenario)
+    text = str(err.value)
+    assert "'model.layers.9.attn'" in text
+    assert text.count("storage [") >= 2  # the layer's own storage and the other one
+    if reg is not None:  # where vLLM's body hands on the wrong offset, the fix stops start-up
+        assert "start-up stops here" in text
+
+
+def test_a_registration_of_vllm_that_covers_every_layer_is_used_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Where the rule cannot plan but vLLM's registration covers every layer region, it is used
+    unchanged (the fix never raises where vLLM's registration is right): one WARNING."""
+    storage = kv.backing(0, 16384)
+    caches = {"model.layers.0.attn": kv.kda_cache(storage, 0)}
+    scenario = probe.Scenario("aligned", "", storage, caches, {n: kv.kda_spec() for n in caches})
+    want = build(scenario)
+    with applied(FIX), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(patch, "plan_shared_mr", _refuse)
+        with caplog.at_level(logging.WARNING, logger="vllm.fixes.mr-extent"):
+            reg, offsets = build(scenario)
+    assert (reg.data_ptr(), reg.numel(), offsets) == (want[0].data_ptr(), want[0].numel(), want[1])
+    assert "vLLM's own registration is used unchanged" in caplog.text
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    raise SharedMRError("the rule refuses (test)")
 
 
 def test_region_in_first_partial_page_refused_clearly(fixed: None) -> None:

@@ -339,7 +339,7 @@ def test_the_execute_model_shape_is_refused(carried: nt.Carry, shape: str) -> No
     if not shape.startswith(patch.IN_EXECUTE):
         pytest.skip("this release collects the KV output in sample_tokens")
     _, result, _ = carried
-    assert result.result is Carried.CANNOT and REFUSED_SHAPE in result.reason and result.edits == ()
+    assert result.result is Carried.REFUSED and REFUSED_SHAPE in result.reason and result.edits == ()
 
 
 def test_a_carried_tree_needs_nothing_more(written: nt.Carry, tmp_path: Path) -> None:

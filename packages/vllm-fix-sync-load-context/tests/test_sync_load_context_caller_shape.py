@@ -24,7 +24,9 @@ from vllm_fix_sync_load_context.stand_ins import (
     Graphs,
     RecordingLoader,
     Seen,
+    StandInRunner,
     active_connector,
+    attention_metadata,
     step_batch,
     step_output,
 )
@@ -78,22 +80,16 @@ def _bare_pre_forward() -> Any:
 
 
 def _run(fn: Any, mode_name: str | None, *, sync: bool = True) -> tuple[Seen, Any, Any]:
-    from types import SimpleNamespace
-
     import torch
     from vllm.config import CUDAGraphMode
 
     config = probe_config()
     seen = Seen()
     batch = step_batch()
-    attn = {"model.layers.0.self_attn.attn": SimpleNamespace(num_actual_tokens=batch.num_tokens)}
+    attn = attention_metadata(batch)
     mode = None if mode_name is None else getattr(CUDAGraphMode, mode_name)
     graphs = Graphs(mode or CUDAGraphMode.NONE, seen, torch.zeros(batch.num_tokens, 4))
-    runner = SimpleNamespace(
-        vllm_config=config,
-        kv_connector=active_connector(config, RecordingLoader(seen)),
-        cudagraph_manager=graphs,
-    )
+    runner = StandInRunner(config, active_connector(config, RecordingLoader(seen)), graphs, batch, attn)
     fn(runner, step_output(batch, sync=sync), batch, attn, mode)
     return seen, batch, attn
 

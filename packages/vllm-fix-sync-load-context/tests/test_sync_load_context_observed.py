@@ -4,10 +4,10 @@ not come from the fix's rule (breaking the rule makes verification fail), and th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from vllm_fix_core import Answer, Settings, UnknownShape, evaluate, layers_of, original_of
 from vllm_fix_core.declaration import static_lookup
 from vllm_fix_sync_load_context import FIX, patch
+from vllm_fix_sync_load_context.stand_ins import attention_metadata
 from vllm_fix_testing import STRICT, assert_every_target_observed, assert_verification_fails
 from vllm_fix_testing.hostile import patched_targets
 from vllm_fix_testing.runner import (
@@ -69,7 +70,7 @@ def _unpadded(real: Any) -> Any:
     """Context built from the scheduled count instead of the padded graph size."""
 
     def rule(vllm_config: Any, attn_metadata: Any, input_batch: Any) -> Any:
-        batch = SimpleNamespace(**vars(input_batch))
+        batch = copy.copy(input_batch)
         batch.num_tokens_after_padding = input_batch.num_tokens
         batch.num_reqs_after_padding = input_batch.num_reqs
         return real(vllm_config, attn_metadata, batch)
@@ -139,12 +140,14 @@ MISSING = "<missing>"
 
 @functools.cache
 def _configs() -> tuple[Any, Any]:
-    """A default VllmConfig, and one with DP=2 (MoE-capable: DP metadata is built)."""
-    from vllm.config import VllmConfig
+    """The probe's VllmConfig, and one with DP=2 (MoE-capable: DP metadata is built), both
+    vLLM's own at its defaults, built without platform hooks."""
+    from vllm.config import DeviceConfig, VllmConfig
 
+    from vllm_fix_core.guest import build
     from vllm_fix_sync_load_context.probe import probe_config
 
-    dp = VllmConfig(device_config=probe_config().device_config)
+    dp = build(VllmConfig, device_config=build(DeviceConfig))
     dp.parallel_config.data_parallel_size = 2
     return probe_config(), dp
 
@@ -281,7 +284,8 @@ def test_patched_pre_forward_never_raises_where_vllm_does_not(patched: Any, call
 
     cls = patched
     batch = None if call.batch is None else _build_batch(call.batch)
-    attn = {"none": None, "empty": {}, "layer": {LAYER: SimpleNamespace(num_actual_tokens=1)}}[call.attn]
+    # vLLM's metadata of a one-request step (the batch under test may lack the fields it reads).
+    attn = {"none": None, "empty": {}, "layer": attention_metadata(step_batch(num_reqs=1), LAYER)}[call.attn]
     out = _scheduler_output(call, batch)
     unpatched = _run(original_of(cls, "pre_forward"), call, out, batch, attn)
     installed = _run(cls.pre_forward, call, out, batch, attn)
@@ -322,7 +326,7 @@ def test_no_padded_count_runs_in_vllms_fallback_context(patched: Any) -> None:
             batch.num_tokens_after_padding = None
         else:
             del batch.num_tokens_after_padding
-        attn = {LAYER: SimpleNamespace(num_actual_tokens=2)}
+        attn = attention_metadata(step_batch(num_reqs=2, padded_to=4), LAYER)
         out = _scheduler_output(call, batch)
         unpatched = _run(original_of(patched, "pre_forward"), call, out, batch, attn)
         installed = _run(patched.pre_forward, call, out, batch, attn)

@@ -14,7 +14,9 @@ import pytest
 import torch
 from packaging.version import Version
 
+from vllm_fix_core.guest import build
 from vllm_fix_sync_load_context import FIX
+from vllm_fix_sync_load_context.probe import probe_config
 from vllm_fix_testing import FakeWrapper, applied, pending, vllm_version
 from vllm_fix_testing.runner import (
     LAYER,
@@ -108,10 +110,10 @@ def test_async_loads_are_not_started_before_the_replay() -> None:
 
 def test_no_forward_step_is_unchanged() -> None:
     """no_forward calls pre_forward(scheduler_output) with no batch: vLLM's own fallback."""
-    from vllm.config import CUDAGraphMode, VllmConfig
+    from vllm.config import CUDAGraphMode
 
     timeline = Timeline()
-    config = VllmConfig()
+    config = probe_config()
     with applied(FIX):
         active = active_connector(config, RecordingLoader(timeline))
         active.pre_forward(step_output(step_batch()))
@@ -125,13 +127,13 @@ def test_dp_counts_come_from_the_agreed_padded_batch_without_a_collective(
     """DP=2 on a MoE-capable config: the override carries DP metadata with every rank at the
     padded count FULL dispatch agreed on; coordinate_batch_across_dp must not run."""
     import vllm.forward_context as fc
-    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
 
     def collective(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a DP collective ran inside the connector's context")
 
     monkeypatch.setattr(fc, "coordinate_batch_across_dp", collective)
-    config = VllmConfig()
+    config = build(VllmConfig, device_config=build(DeviceConfig))
     parallel: ParallelConfig = config.parallel_config
     monkeypatch.setattr(parallel, "data_parallel_size", 2)
     monkeypatch.setattr(parallel, "data_parallel_rank", 0)
@@ -159,16 +161,18 @@ def example_connector(tmp_path: Path) -> Iterator[SimpleNamespace]:
     """A real ExampleConnector (worker role) with one saved 16-token block to load into
     block 1 of a real-layout layer cache, and its log captured."""
     import safetensors.torch
-    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector as ex
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    config = VllmConfig(
+    config = build(
+        VllmConfig,
+        device_config=build(DeviceConfig),
         kv_transfer_config=KVTransferConfig(
             kv_connector="ExampleConnector",
             kv_role="kv_both",
             kv_connector_extra_config={"shared_storage_path": str(tmp_path)},
-        )
+        ),
     )
     config.cache_config.block_size = 16
     connector = ex.ExampleConnector(config, KVConnectorRole.WORKER, None)

@@ -1,6 +1,8 @@
 """Decisions as a multi-process engine core makes them, each in a forked child of one process that
 imported what an engine core has imported when vLLM imports MoRIIO (``vllm.v1.engine.core``)
-and the MoRIIO module, but not ``vllm.v1.worker.utils`` (the parent checks).
+and the MoRIIO module, but not ``vllm.v1.worker.utils`` (the parent checks). Each result also
+says which ``vllm`` modules the decision imported, whether ``vllm._aiter_ops`` is loaded after
+it and which ``AITER_*`` variables ``os.environ`` holds.
 
 Usage: python _memo_scenarios.py SCENARIO [SCENARIO ...]; prints one JSON line per scenario,
 run one after the other in the order given, all on the coverage memo under $VLLM_CACHE_ROOT.
@@ -68,6 +70,7 @@ def _memo_facts(path: Path) -> Any:
 def scenario(name: str) -> dict[str, Any]:
     from vllm_fix_core import Settings, evaluate
     from vllm_fix_sync_load_zeroing import FIX, memo_key
+    from vllm_fix_sync_load_zeroing.facts import CoverageFacts
     from vllm_fix_sync_load_zeroing.probe import probe
 
     capture = Capture()
@@ -91,7 +94,7 @@ def scenario(name: str) -> dict[str, Any]:
     elif name == "other-vllm-version":
         data = json.loads(path.read_bytes())
         data["stamp"]["vllm_version"] = "0.0.1"
-        data["facts"] = {"zeroer": False, "layouts": [], "covered": {}, "errors": {}}
+        data["facts"] = CoverageFacts(zeroer=False).to_json()
         path.write_text(json.dumps(data))
     elif name == "worker-other-facts":
         data = json.loads(path.read_bytes())
@@ -101,6 +104,8 @@ def scenario(name: str) -> dict[str, Any]:
         result["edited_facts"] = data["facts"]
     result["memo_before"] = _digest(path)
     result["memo_mtime_before"] = _mtime_ns(path)
+    loaded = set(sys.modules)
+    result["aiter_env_before"] = sorted(name for name in os.environ if name.startswith("AITER"))
     if name.endswith("-probe"):
         report = probe()
         result["checks"] = [[c.name, c.affected, c.guard] for c in report.checks]
@@ -109,6 +114,11 @@ def scenario(name: str) -> dict[str, Any]:
         result["answer"] = decision.answer.value
         result["message"] = decision.message
     result["worker_utils_after"] = WORKER_UTILS in sys.modules
+    result["new_vllm_modules"] = sorted(
+        name for name in set(sys.modules) - loaded if name == "vllm" or name.startswith("vllm.")
+    )
+    result["aiter_ops_loaded"] = "vllm._aiter_ops" in sys.modules
+    result["aiter_env"] = sorted(name for name in os.environ if name.startswith("AITER"))
     result["memo_after"] = _digest(path)
     result["memo_mtime_after"] = _mtime_ns(path)
     result["memo_facts"] = _memo_facts(path)

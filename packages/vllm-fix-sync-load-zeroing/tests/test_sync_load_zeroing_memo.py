@@ -1,10 +1,11 @@
-"""The coverage memo on real vLLM: a cold decision writes it with the facts the live computation
-gives; a fresh engine-core process with the memo decides the same without importing
-vllm.v1.worker.utils; a changed recorded file, another vLLM (or torch, Python, this package, the
-layout environment) invalidates it; a corrupt memo or an unwritable cache root costs the live
-computation and one DEBUG line, never an exception. A process with vllm.v1.worker.utils loaded
-(a worker) computes live and refreshes the memo, so the engine core deciding after its workers
-finds it valid."""
+"""The coverage memo on real vLLM: a cold engine-core decision imports nothing the engine core has
+not imported (no vllm.v1.worker.utils, no vllm._aiter_ops: issue 33), answers from the
+specification's facts, which are the facts the live computation gives, and writes them; a fresh
+engine-core process with the memo decides the same; a changed recorded file, another vLLM (or
+torch, Python, this package, the layout environment) invalidates it; a corrupt memo or an
+unwritable cache root costs the computation and one DEBUG line, never an exception. A process
+with vllm.v1.worker.utils loaded (a worker) computes live and refreshes the memo, so the engine
+core deciding after its workers finds it valid."""
 
 from __future__ import annotations
 
@@ -25,14 +26,20 @@ from packaging.version import Version
 from vllm_fix_core import Answer
 from vllm_fix_sync_load_zeroing import memo, memo_file, memo_key
 from vllm_fix_sync_load_zeroing.coverage import read_rewrites_zeroed_bytes
-from vllm_fix_sync_load_zeroing.facts import WORKER_UTILS, CoverageFacts, compute_facts
+from vllm_fix_sync_load_zeroing.facts import (
+    WORKER_UTILS,
+    CoverageFacts,
+    compute_facts,
+    second_group_spec,
+    spec_facts,
+)
 from vllm_fix_sync_load_zeroing.memo import coverage_facts
 from vllm_fix_sync_load_zeroing.oracle import hybrid_layouts
 from vllm_fix_sync_load_zeroing.probe import attention_spec, probe
 from vllm_fix_testing import vllm_version
 from vllm_fix_testing.plugin_scenarios import Capture, run_scenarios
 
-AFFECTED = vllm_version() < Version("0.32.0")  # the fix applies: apply() imports worker utils
+AFFECTED = vllm_version() < Version("0.32.0")  # the fix applies
 ANSWER = (Answer.AFFECTED_FIXED if AFFECTED else Answer.FIXED_UPSTREAM).value
 SCENARIOS = [
     "cold-decide",
@@ -94,33 +101,51 @@ def live_probe_checks() -> list[list[Any]]:
     return [[c.name, c.affected, c.guard] for c in probe().checks]
 
 
-# ---- (1) a cold decision writes the memo, with what the live computation gives ---------------
+# ---- (1) a cold decision imports nothing, answers from the specification, writes the memo -----
+
+
+def test_cold_decision_imports_nothing_the_engine_core_has_not(runs: dict[str, dict[str, Any]]) -> None:
+    """Issue 33: the engine core's first decision imported vllm.v1.worker.utils, and with it
+    vllm._aiter_ops (AITER_SITUV2_A4W4=1 in os.environ, the aiter logger disabled, on 0.32.0)."""
+    for name in ("cold-decide", "warm-decide", "corrupt-memo", "other-vllm-version", "unwritable"):
+        r = runs[name]
+        assert r["answer"] == ANSWER, (name, r["message"])
+        assert r["worker_utils_after"] is False, name
+        assert r["new_vllm_modules"] == [], name
+        assert r["aiter_ops_loaded"] is False, name
+        assert r["aiter_env"] == r["aiter_env_before"], name  # no AITER_* variable set
 
 
 def test_cold_decision_writes_the_memo(runs: dict[str, dict[str, Any]], _module_cache_root: Path) -> None:
     r = runs["cold-decide"]
     assert r["memo_before"] is None and r["memo_after"] is not None
     assert r["answer"] == ANSWER, r["message"]
-    assert r["worker_utils_after"] is True  # cold: it had to ask vLLM's zeroer
     path = Path(r["memo_path"])
     assert path.parent == _module_cache_root / "vllm-fixes" / "sync-load-zeroing"
     assert [line for line in r["lines"] if "coverage memo" in line[1]] == []  # a plain miss is quiet
     data = json.loads(path.read_bytes())
     assert data["stamp"] == memo_key.current_stamp()
     recorded = {entry[0] for entry in data["files"]}
-    assert importlib.import_module(WORKER_UTILS).__file__ in recorded
     assert sys.modules["vllm.v1.kv_cache_interface"].__file__ in recorded
 
 
 def test_memoized_facts_are_the_live_facts(runs: dict[str, dict[str, Any]]) -> None:
+    """The specification's facts the cold engine core wrote are what vLLM's zeroer measures."""
     facts = live_facts()
     assert runs["cold-decide"]["memo_facts"] == facts.to_json()
     assert facts.zeroer is True
     assert facts.layouts == hybrid_layouts()
-    assert dict(facts.covered) == {
-        name: read_rewrites_zeroed_bytes(name, attention_spec()) for name in facts.layouts
+    spec = attention_spec()
+    assert dict(facts.covered) == {name: read_rewrites_zeroed_bytes(name, spec) for name in facts.layouts}
+    assert dict(facts.grouped) == {
+        name: read_rewrites_zeroed_bytes(name, spec, more_specs=(second_group_spec(spec),))
+        for name in facts.layouts
     }
-    assert dict(facts.errors) == {}
+    assert dict(facts.errors) == dict(facts.grouped_errors) == {}
+
+
+def test_specification_facts_are_the_measured_facts() -> None:
+    assert spec_facts() == live_facts()
 
 
 def test_memo_round_trips_in_process(cache_root: Path) -> None:
@@ -145,9 +170,7 @@ def test_decision_on_the_memo_reaches_the_same_rung(runs: dict[str, dict[str, An
     r = runs["warm-decide"]
     assert r["answer"] == runs["cold-decide"]["answer"] == ANSWER, r["message"]
     assert r["memo_after"] == r["memo_before"]
-    # Where the fix applies, apply() imports the module on purpose (the patched method needs it
-    # on its first step with pending READs); elsewhere nothing imports it.
-    assert r["worker_utils_after"] is AFFECTED
+    assert r["worker_utils_after"] is False  # nothing imports it, apply() included (0.31.0)
     assert len(r["lines"]) == 1  # the decision line only
 
 
@@ -365,7 +388,7 @@ def test_engine_core_after_its_workers_reads_their_memo(runs: dict[str, dict[str
     r = runs["engine-after-worker-decide"]
     assert r["answer"] == runs["worker-decide"]["answer"] == ANSWER, r["message"]
     assert r["memo_before"] == r["memo_after"] == written
-    assert r["worker_utils_after"] is AFFECTED  # only apply() imports it, on purpose (0.31.0)
+    assert r["worker_utils_after"] is False and r["new_vllm_modules"] == []
     assert len(r["lines"]) == 1  # the decision line only
 
 
@@ -452,9 +475,9 @@ def test_reprobe_after_apply_adds_nothing(
     memo_lines: list[tuple[str, str]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Where the fix applies (0.31.0) the engine core's probe reads the memo (or computes and
-    writes it), apply() imports vllm.v1.worker.utils, and the re-probe computes live: that
-    refresh neither reads the memo again nor repeats the DEBUG line of a memo it cannot write."""
+    """A probe that read the memo (or computed and wrote it) and a later one in the same process
+    that computes live (vllm.v1.worker.utils loaded meanwhile): that refresh neither reads the
+    memo again nor repeats the DEBUG line of a memo it cannot write."""
     if memo_state == "unwritable":
         (cache_root / "vllm-fixes").write_text("a file where the memo's directory would be\n")
     else:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,7 +25,15 @@ from hypothesis import strategies as st
 from vllm_fix_core import PatchSet
 from vllm_fix_sync_load_zeroing import FIX
 from vllm_fix_sync_load_zeroing import patch as patch_module
-from vllm_fix_sync_load_zeroing.probe import PARAMS, Case, require_feature, scheduler
+from vllm_fix_sync_load_zeroing.probe import (
+    PARAMS,
+    Case,
+    request,
+    require_feature,
+    scheduler,
+    step_output,
+    vllm_config,
+)
 
 COVERED = ["LBHNC", "LBNHC", "BLHNC", "BLNHC"]  # on every release: drawn twice as often
 LAYOUTS = [*COVERED, *COVERED, "LHBNC", "BHLNC", "NHD", None]
@@ -65,22 +72,19 @@ def build(draw: dict[str, Any]) -> tuple[Any, Any]:
     mc = require_feature()
     case = Case("prop", read=draw["read"], consumer=draw["consumer"], hybrid=draw["hybrid"])
     sched = scheduler(mc, case, draw["layout"])
-    if draw["no_spec"]:
-        sched.kv_cache_config = SimpleNamespace(kv_cache_layout=draw["layout"])
+    if draw["no_spec"]:  # a KV cache config without the attention group the scheduler names
+        from vllm.v1.kv_cache_interface import KVCacheConfig
+
+        sched.kv_cache_config = KVCacheConfig(num_blocks=128, kv_cache_tensors=[], kv_cache_groups=[])
+        sched.kv_cache_config.kv_cache_layout = draw["layout"]
     for index, ids in enumerate(draw["pending"]):
         rid = f"prop-{index}"
         params = {**PARAMS, "transfer_id": f"tx-{rid}", "remote_block_ids": [list(g) for g in ids]}
-        request = SimpleNamespace(request_id=rid, kv_transfer_params=params, num_prompt_tokens=64)
-        sched._reqs_need_recv[rid] = (request, [list(g) for g in ids])
+        sched._reqs_need_recv[rid] = (request(rid, params), [list(g) for g in ids])
         sched._req_kv_params[rid] = dict(params)
     zero = draw["zero"]
-    out = SimpleNamespace(
-        new_block_ids_to_zero=None if zero is None else list(zero),
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
-        scheduled_new_reqs=[],
-        num_scheduled_tokens={},
-        finished_req_ids=set(),
-    )
+    out = step_output(())
+    out.new_block_ids_to_zero = None if zero is None else list(zero)
     return sched, out
 
 
@@ -150,22 +154,20 @@ def _fork_class(module: Any) -> type:
 
 
 def fork_run(module: Any, draw: dict[str, Any]) -> tuple[BaseException | None, Any]:
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.config import KVTransferConfig
+
+    from vllm_fix_core.guest import build as guest_build
 
     sched, _ = build(draw)
     connector = module.MoRIIOConnector.__new__(module.MoRIIOConnector)
     connector.mode = sched.mode
-    connector.kv_transfer_config = SimpleNamespace(
-        is_kv_consumer=draw["consumer"], is_kv_producer=not draw["consumer"]
+    connector.kv_transfer_config = guest_build(
+        KVTransferConfig,
+        kv_connector="MoRIIOConnector",
+        kv_role="kv_consumer" if draw["consumer"] else "kv_producer",
     )
-    layout = draw["layout"]
-
-    def resolved() -> Any:
-        return KVCacheLayout[layout]  # KeyError for a name vLLM does not know, as vLLM raises
-
-    connector._vllm_config = SimpleNamespace(
-        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=resolved, kv_cache_layout=layout)
-    )
+    # vLLM's CacheConfig resolves the name as vLLM does (None: not resolved yet, raises).
+    connector._vllm_config = vllm_config(draw["layout"])
     connector.connector_scheduler = sched
     connector.connector_worker = None
     try:

@@ -1,10 +1,12 @@
-"""Property-based: over layouts x attention specs x pending READ shapes x roles x modes, the step
-zeroes exactly what it must. The oracle is a byte simulation (zero then READ must leave what the
-READ alone leaves), not the rule module.
+"""Property-based: over layouts x attention specs x attention groups x pending READ shapes x roles
+x modes, the step zeroes exactly what it must. The oracle is a byte simulation (zero then READ
+must leave what the READ alone leaves, for the group owning the block, with every attention
+group's layers zeroed), not the rule module.
 
-On 0.31.0 the patched build_connector_meta is checked; on 0.32.0 / 0.33.0 vLLM's own exclusion
+On 0.31.0 the patched build_connector_meta is checked; on 0.32.0 - 0.34.0 vLLM's own exclusion
 is (the regression guard), over the configurations vLLM can reach: a hybrid model only resolves
-to the layouts vLLM's resolver accepts, and a producer never has READs pending.
+to the layouts vLLM's resolver accepts, a producer never has READs pending, and only a hybrid
+READ that carries every attention group (0.34.0) has two.
 """
 
 from __future__ import annotations
@@ -19,20 +21,22 @@ from hypothesis import strategies as st
 from packaging.version import Version
 
 from vllm_fix_sync_load_zeroing import FIX
+from vllm_fix_sync_load_zeroing.facts import second_group_spec
 from vllm_fix_sync_load_zeroing.oracle import hybrid_layouts, zeroing_is_overwritten
 from vllm_fix_sync_load_zeroing.probe import Case, require_feature, scheduler, step_output
 from vllm_fix_testing import applied, vllm_version
 
 PATCHED = vllm_version() < Version("0.32.0")
+SEVERAL_GROUPS = vllm_version() >= Version("0.34.0")  # the hybrid READ carries every attention group
 # The oracle: zeroing a block and then READing it must leave the memory the READ alone leaves,
 # simulated on CPU bytes from vLLM's zeroer segments and MoRIIO's worker READ offsets (the
 # probe's oracle module, which shares no code with the patch).
 
 
 @functools.cache
-def zero_then_read_equals_read(layout: str, spec: Any) -> bool:
+def zero_then_read_equals_read(layout: str, spec: Any, groups: int = 1) -> bool:
     try:
-        return zeroing_is_overwritten(layout, spec)
+        return zeroing_is_overwritten(layout, spec, *[second_group_spec(spec)] * (groups - 1))
     except Exception:
         return False  # vLLM cannot build it: nothing may be excluded
 
@@ -56,7 +60,9 @@ def spec(heads: int, head_size: int, pad: int) -> Any:
 
 
 blocks = st.lists(st.integers(0, 24), max_size=5, unique=True)
-entry = st.tuples(blocks, st.lists(st.integers(90, 99), min_size=1, max_size=1))
+entry = st.tuples(
+    st.lists(blocks, min_size=2, max_size=2), st.lists(st.integers(90, 99), min_size=1, max_size=1)
+)
 
 
 @st.composite
@@ -68,14 +74,20 @@ def situations(draw: st.DrawFn) -> tuple[Case, str, Any, tuple[int, ...]]:
         layout = draw(st.sampled_from(sorted(hybrid_layouts())))
     else:
         layout = draw(st.sampled_from([*ALL_LAYOUTS, "NHD", "XYZ"]))
-    pending = draw(st.lists(entry, max_size=4)) if consumer else []
-    pending = [(tuple(a), tuple(m) if hybrid else ()) for a, m in pending]
-    groups = tuple((a, m) if hybrid else (a,) for a, m in pending)
+    attention_groups = draw(st.sampled_from([1, 2])) if SEVERAL_GROUPS else 1
+    drawn = draw(st.lists(entry, max_size=4)) if consumer else []
+    groups = tuple(
+        (*(tuple(a) for a in attention[:attention_groups]), *((tuple(m),) if hybrid else ()))
+        for attention, m in drawn
+    )
     zero = tuple(draw(st.lists(st.one_of(st.integers(0, 30), st.integers(90, 99)), max_size=12)))
     kv_spec = spec(
         draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([8, 16])), draw(st.sampled_from([0, 64]))
     )
-    return Case("prop", read=read, consumer=consumer, hybrid=hybrid, pending=groups), layout, kv_spec, zero
+    case = Case(
+        "prop", read=read, consumer=consumer, hybrid=hybrid, pending=groups, attention_groups=attention_groups
+    )
+    return case, layout, kv_spec, zero
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -84,8 +96,14 @@ def test_step_zeroes_exactly_what_the_bytes_require(
     situation: tuple[Case, str, Any, tuple[int, ...]],
 ) -> None:
     case, layout, kv_spec, zero = situation
-    destinations = {b for groups in case.pending for b in groups[0]}
-    may_exclude = case.read and case.consumer and case.hybrid and zero_then_read_equals_read(layout, kv_spec)
+    # The READ writes the aligned destinations of every attention group (the metadata's first).
+    destinations = {b for groups in case.pending for group in groups[: case.attention_groups] for b in group}
+    may_exclude = (
+        case.read
+        and case.consumer
+        and case.hybrid
+        and zero_then_read_equals_read(layout, kv_spec, case.attention_groups)
+    )
     expected = [b for b in zero if not (may_exclude and b in destinations)]
 
     sched = scheduler(require_feature(), case, layout, kv_spec)

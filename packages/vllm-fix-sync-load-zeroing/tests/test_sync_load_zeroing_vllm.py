@@ -1,5 +1,10 @@
 """Sync-load zeroing on real vLLM: the decision table, the negative control on 0.31.0, the fix,
-"fixed upstream" on 0.32.0 / 0.33.0, the #59164 API shape, and fail-safe bad input."""
+"fixed upstream" on 0.32.0 - 0.34.0 (several attention groups on 0.34.0), the #59164 API shape,
+and fail-safe bad input.
+
+vLLM's worker utilities are imported here, as in a worker: the patch's coverage is then measured
+with vLLM's zeroer (where they are not loaded it is the specification's, checked against the
+measurement below)."""
 
 from __future__ import annotations
 
@@ -10,16 +15,20 @@ from typing import Any
 
 import pytest
 import torch
+import vllm.v1.worker.utils  # noqa: F401  (loaded, as in a worker: coverage is measured)
 from packaging.version import Version
 
 from vllm_fix_core import Answer, NotApplicable, PatchSet, Settings, evaluate, runtime
-from vllm_fix_sync_load_zeroing import FIX
+from vllm_fix_sync_load_zeroing import FIX, coverage
 from vllm_fix_sync_load_zeroing.coverage import read_rewrites_zeroed_bytes
+from vllm_fix_sync_load_zeroing.facts import second_group_spec
 from vllm_fix_sync_load_zeroing.oracle import hybrid_layouts, zeroing_is_overwritten
 from vllm_fix_sync_load_zeroing.probe import (
     CASES,
+    GROUP_CASES,
     ZERO,
     Case,
+    attention_groups_read,
     attention_spec,
     fork_connector,
     probe,
@@ -32,6 +41,7 @@ from vllm_fix_testing import applied, assert_every_target_observed, assert_hosti
 VERSION = vllm_version()
 HAS_EXCLUSION = Version("0.32.0") <= VERSION  # build_connector_meta excludes READ destinations
 HEAD_SLICE_READ = Version("0.33.0") <= VERSION  # MoRIIO READs non-dense layouts head by head
+SEVERAL_GROUPS = Version("0.34.0") <= VERSION  # the hybrid READ carries every attention group
 LENIENT = Settings(disabled=frozenset(), strict=False)
 
 
@@ -59,6 +69,15 @@ TABLE = {
 }
 
 
+# With two attention groups (0.34.0): 10 is the second group's READ destination, 11 its tail.
+GROUP_TABLE = {
+    "two-attention-groups": [9, 11, 90],
+    "state-group-on-full-hit": [7, 8, 9, 11, 90],
+    "state-only-two-groups": [7, 8, 9, 10, 11, 90],
+    "write-mode-two-groups": [7, 8, 9, 10, 11, 90],
+}
+
+
 def test_hybrid_layouts_are_the_block_compact_ones() -> None:
     assert set(hybrid_layouts()) == {"LBHNC", "LBNHC", "BLHNC", "BLNHC"}
 
@@ -73,6 +92,54 @@ def test_layout_coverage_table() -> None:
     }
     expected = {"LBHNC", "LBNHC", "BLHNC", "BLNHC"} | ({"LHBNC", "BHLNC"} if HEAD_SLICE_READ else set())
     assert covered == expected
+
+
+def test_attention_groups_the_read_carries() -> None:
+    """Asked of vLLM's own split_block_groups: every attention group on 0.34.0, the first one
+    before (whose scheduler refuses a hybrid READ with several)."""
+    assert attention_groups_read(mc()) == (2 if SEVERAL_GROUPS else 1)
+
+
+@pytest.mark.skipif(not SEVERAL_GROUPS, reason="this vLLM's hybrid READ carries one attention group")
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+@pytest.mark.parametrize("case", GROUP_CASES, ids=lambda c: c.name)
+def test_decision_table_several_attention_groups(case: Case, layout: str) -> None:
+    """0.34.0 excludes the READ destinations of every attention group (a state group's even on
+    a full local hit of the others), never a tail block or a Mamba slot."""
+    assert zeroed_after_step(case, layout, case.zero) == GROUP_TABLE[case.name]
+
+
+def _first_group_only(module: Any) -> Any:
+    """vLLM's build_connector_meta as if it excluded the first attention group's destinations
+    only (0.33.0's exclusion, which reads block_ids[0])."""
+    original = module.MoRIIOConnectorScheduler.build_connector_meta
+
+    def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
+        later = {
+            b
+            for _, block_ids in self._reqs_need_recv.values()
+            for group in block_ids[1 : len(self._attn_group_ids)]
+            for b in group
+        }
+        before = list(scheduler_output.new_block_ids_to_zero or [])
+        meta = original(self, scheduler_output)
+        kept = set(scheduler_output.new_block_ids_to_zero or [])
+        scheduler_output.new_block_ids_to_zero = [b for b in before if b in kept or b in later]
+        return meta
+
+    return build_connector_meta
+
+
+@pytest.mark.skipif(not SEVERAL_GROUPS, reason="this vLLM's hybrid READ carries one attention group")
+def test_probe_sees_the_second_attention_group_zeroed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control for several attention groups: an exclusion of block_ids[0] alone leaves
+    the second group's READ destination (10) zeroed on the step its READ lands."""
+    module = mc()
+    monkeypatch.setattr(module.MoRIIOConnectorScheduler, "build_connector_meta", _first_group_only(module))
+    assert zeroed_after_step(GROUP_CASES[0], "LBHNC", GROUP_CASES[0].zero) == [9, 10, 11, 90]
+    report = probe()
+    assert report.names(True) == ["zeroing-races-sync-read"]
+    assert "two-attention-groups" in report.checks[0].detail
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
@@ -555,3 +622,34 @@ def test_oracle_and_patch_coverage_agree(layout: str, overrides: dict[str, Any])
     except Exception:
         measured = False
     assert read_rewrites_zeroed_bytes(layout, spec) is measured
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
+@pytest.mark.parametrize("overrides", [{}, {"num_kv_heads": 1, "head_size": 16}, {"page_size_padded": 1280}])
+def test_oracle_and_patch_coverage_agree_for_two_attention_groups(
+    layout: str, overrides: dict[str, Any]
+) -> None:
+    spec = FullAttention(**overrides)
+    second = second_group_spec(spec)
+    try:
+        measured = zeroing_is_overwritten(layout, spec, second)
+    except Exception:
+        measured = False
+    assert read_rewrites_zeroed_bytes(layout, spec, more_specs=(second,)) is measured
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "NHD"])
+@pytest.mark.parametrize("overrides", [{}, {"num_kv_heads": 1, "head_size": 16}, {"page_size_padded": 1280}])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("skipped", [frozenset(), frozenset({1})])
+def test_specified_coverage_is_the_measured_coverage(
+    layout: str, overrides: dict[str, Any], groups: int, skipped: frozenset[int]
+) -> None:
+    """Where vLLM's worker utilities are not loaded (a multi-process engine core), the patch
+    takes condition 4 from the specification instead of importing them (issue 33): it must be
+    what vLLM's zeroer measures."""
+    spec = FullAttention(**overrides)
+    more = (second_group_spec(spec),) * (groups - 1)
+    assert coverage.specified(layout, (spec, *more), skipped) is coverage._covered.__wrapped__(
+        layout, (spec, *more), skipped, True
+    )

@@ -23,6 +23,7 @@ from typing import Any
 from vllm_fix_bind_failure import watch
 from vllm_fix_bind_failure.rule import ListenerBindError, bind_error_message
 from vllm_fix_core import PatchSet, UnknownShape, get_logger, original_of
+from vllm_fix_core.fingerprint import call_params
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 CONNECTOR = f"{PACKAGE}.moriio_connector"
@@ -195,7 +196,7 @@ def recognize() -> str:
         raise UnknownShape(
             "MoRIIOConnectorWorker._moriio_handshake_listener is not (metadata, ready_event, base_port, ...)"
         )
-    if _params(original_of(engine.MoRIIOWrapper, "async_wait_reqid")) != ["self"]:
+    if call_params(original_of(engine.MoRIIOWrapper, "async_wait_reqid")) != ["self"]:
         raise UnknownShape("MoRIIOWrapper.async_wait_reqid takes arguments")
     if _params(original_of(engine, "zmq_ctx"))[:2] != ["socket_type", "addr"]:
         raise UnknownShape("moriio_engine.zmq_ctx is not zmq_ctx(socket_type, addr)")

@@ -19,8 +19,13 @@ with "Address already in use") and points vLLM's own listeners at them, as insta
   bind's own cause (``Address already in use``), which only the socket that failed to
   bind (vLLM's ``zmq_ctx`` ROUTER context) knows.
 
-The dying listeners' tracebacks (vLLM's default thread excepthook) are kept out of the log
-for the probe's own threads. About 30-60 ms (one worker, three ZMQ contexts, four threads).
+It is a guest (vllm_fix_core.moriio_probe): it binds only ports the kernel picks (the two it
+holds; the worker's config gets kernel-chosen ports for ``get_open_port``, never
+``VLLM_PORT``, and its MORI stand-in listens on port 0), and every thread it or vLLM's code
+starts for it is a ``GuestThread``: quiet from its first line ("Node starting to listen
+notify ..."), its dying exception kept on the thread (``threading.excepthook`` is not
+touched, so another thread's exception is reported as before), and waited for before the
+probe returns. About 30-60 ms (one worker, three ZMQ contexts, four threads).
 """
 
 from __future__ import annotations
@@ -35,17 +40,16 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
 from vllm_fix_bind_failure.probe_worker import kv_caches, probe_worker
 from vllm_fix_core import Check, ProbeReport
+from vllm_fix_core.moriio_probe import GuestThread, bound, guest_threads
 
 PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 JOIN_S = 5.0
-
-_hook_lock = threading.Lock()
 
 
 @contextmanager
@@ -57,24 +61,6 @@ def _held_port() -> Iterator[int]:
         yield int(sock.getsockname()[1])
     finally:
         sock.close()
-
-
-@contextmanager
-def _quiet(*names: str) -> Iterator[None]:
-    """Uncaught exceptions of threads named one of `names` started in this block are not printed."""
-    with _hook_lock:
-        previous = threading.excepthook
-        before = set(threading.enumerate())
-
-        def hook(args: Any) -> None:
-            if args.thread is None or args.thread in before or args.thread.name not in names:
-                previous(args)
-
-        threading.excepthook = hook
-        try:
-            yield
-        finally:
-            threading.excepthook = previous
 
 
 def _handshake_listener(connector: Any, port: int) -> tuple[bool, str]:
@@ -90,7 +76,7 @@ def _handshake_listener(connector: Any, port: int) -> tuple[bool, str]:
         except BaseException as exc:  # vLLM's thread would die of it
             error.append(exc)
 
-    thread = threading.Thread(target=run, daemon=True, name="vllm-fix-bind-failure-probe")
+    thread = GuestThread(target=run, daemon=True, name="vllm-fix-bind-failure-probe")
     thread.start()
     thread.join(JOIN_S)
     if thread.is_alive():
@@ -107,24 +93,29 @@ def _names_cause(error: BaseException, port: int) -> bool:
     return bool(re.search(rf"\b{port}\b", text)) and os.strerror(errno.EADDRINUSE) in text
 
 
+def _async_wait_reqid(engine: Any, wrapper: Any) -> Any:
+    """The installed ``MoRIIOWrapper.async_wait_reqid``, bound to `wrapper`, its notify
+    listener a GuestThread (vllm_fix_core.moriio_probe.bound)."""
+    return bound(engine.MoRIIOWrapper, "async_wait_reqid", wrapper)
+
+
 def _notify_listener(engine: Any, port: int) -> tuple[bool, str]:
     wrapper = engine.MoRIIOWrapper.__new__(engine.MoRIIOWrapper)
     wrapper.notify_port = port
     wrapper.notify_thread = None
-    with _quiet("moriio-notify-listener"):
-        try:
-            wrapper.async_wait_reqid()
-        except Exception as exc:
-            thread = wrapper.notify_thread
-            if isinstance(thread, threading.Thread):
-                thread.join(JOIN_S)
-            if _names_cause(exc, port):
-                return False, ""  # surfaced to the caller, with the bind's cause
-            return True, f"async_wait_reqid raised without the bind's cause on port {port}: {exc}"
+    try:
+        _async_wait_reqid(engine, wrapper)()
+    except Exception as exc:
         thread = wrapper.notify_thread
-        if not isinstance(thread, threading.Thread):
-            raise RuntimeError("async_wait_reqid started no notify listener")
-        thread.join(JOIN_S)
+        if isinstance(thread, threading.Thread):
+            thread.join(JOIN_S)
+        if _names_cause(exc, port):
+            return False, ""  # surfaced to the caller, with the bind's cause
+        return True, f"async_wait_reqid raised without the bind's cause on port {port}: {exc}"
+    thread = wrapper.notify_thread
+    if not isinstance(thread, threading.Thread):
+        raise RuntimeError("async_wait_reqid started no notify listener")
+    thread.join(JOIN_S)
     if thread.is_alive():
         raise RuntimeError(f"the notify listener bound port {port}, which the probe holds")
     return True, "async_wait_reqid returned while its notify listener died on a taken port"
@@ -144,23 +135,26 @@ def _waiting_event(thread: threading.Thread) -> threading.Event | None:
 
 def _start_up(connector: Any, engine: Any, handshake: int, notify: int) -> tuple[bool, str]:
     """register_kv_caches with the handshake listener on a taken port (notify: another one)."""
-    with ExitStack() as stack:
-        stack.enter_context(_quiet("moriio_handshake_listener", "moriio-notify-listener"))
-        worker = stack.enter_context(probe_worker(connector, engine, handshake, notify))
+    with probe_worker(connector, engine, handshake, notify) as worker:
         # What register_kv_caches / async_wait_reqid read: the held ports, whatever rank
         # offset (or port convention) this process's groups and fixes give the worker.
         worker.side_channel_port = handshake
-        worker.moriio_wrapper.notify_port = notify
+        wrapper = worker.moriio_wrapper
+        wrapper.notify_port = notify
+        # register_kv_caches reaches it as self.moriio_wrapper.async_wait_reqid: on the probe's
+        # own wrapper, the installed one whose notify listener is a GuestThread.
+        wrapper.async_wait_reqid = _async_wait_reqid(engine, wrapper)
+        register_kv_caches = bound(connector.MoRIIOConnectorWorker, "register_kv_caches", worker)
         caches = kv_caches()
         error: list[BaseException] = []
 
         def run() -> None:
             try:
-                worker.register_kv_caches(caches)
+                register_kv_caches(caches)
             except BaseException as exc:
                 error.append(exc)
 
-        starter = threading.Thread(target=run, daemon=True, name="vllm-fix-bind-failure-probe-start-up")
+        starter = GuestThread(target=run, daemon=True, name="vllm-fix-bind-failure-probe-start-up")
         starter.start()
         hung = False
         deadline = time.monotonic() + JOIN_S
@@ -202,7 +196,7 @@ def _start_up(connector: Any, engine: Any, handshake: int, notify: int) -> tuple
 def probe() -> ProbeReport:
     connector = importlib.import_module(f"{PACKAGE}.moriio_connector")
     engine = importlib.import_module(f"{PACKAGE}.moriio_engine")
-    with _held_port() as port, _held_port() as other:
+    with _held_port() as port, _held_port() as other, guest_threads(JOIN_S):
         handshake = _handshake_listener(connector, port)
         start_up = _start_up(connector, engine, port, other)
         notify = _notify_listener(engine, port)

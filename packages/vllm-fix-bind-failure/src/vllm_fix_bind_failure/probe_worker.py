@@ -3,7 +3,7 @@
 (the configs and the KV cache of that module too).
 
 The probe drives ``register_kv_caches`` (as installed) on it. The engine stand-in listens on a
-free port when the configured KV port is taken: this probe looks at the handshake and notify
+port the kernel picks, whatever the config says: this probe looks at the handshake and notify
 listeners, not at the KV listener.
 """
 
@@ -19,12 +19,12 @@ from vllm_fix_core import moriio_probe
 NUM_BLOCKS = 2
 
 
-class _AnyPortEngine(moriio_probe.EngineStandIn):
-    any_port_when_taken: ClassVar[bool] = True
+class _KernelPortEngine(moriio_probe.EngineStandIn):
+    kernel_port: ClassVar[bool] = True
 
 
 def vllm_config(handshake: int, notify: int) -> Any:
-    """What the worker reads of a VllmConfig: vLLM's own kv-transfer and parallel configs."""
+    """vLLM's own VllmConfig for the worker (built by vllm_fix_core.moriio_probe)."""
     return moriio_probe.with_worker_configs(
         moriio_probe.vllm_config(moriio_probe.extra_config(handshake, notify))
     )
@@ -44,6 +44,6 @@ def probe_worker(connector: ModuleType, engine: ModuleType, handshake: int, noti
         vllm_config(handshake, notify),
         moriio_probe.kv_cache_config(NUM_BLOCKS),
         "vllm-fix-bind-failure-probe",
-        engine_class=_AnyPortEngine,
+        engine_class=_KernelPortEngine,
     ) as worker:
         yield worker

@@ -35,11 +35,12 @@ from vllm_fix_core.native import CannotCarry, NativeEdit, SourceTree, merge
 
 
 class Carried(str, enum.Enum):
-    """What `backport` says of one fix for one tree (`--json` key "result")."""
+    """What `backport` says of one fix for one tree (`--json` key "result"): one answer each."""
 
-    WRITTEN = "written and verified"
-    NOT_NEEDED = "not needed"
-    CANNOT = "cannot be carried natively here"
+    WRITTEN = "written and verified"  # the change was written; the changed tree's probe sees no bug
+    CARRIES_IT = "carries it already"  # the tree behaves correctly as it is: nothing written
+    NOT_APPLICABLE = "not applicable"  # the code the bug lives in is not in the tree
+    REFUSED = "refused"  # the tree needs it (or may) but no change is offered: the reason says why
 
     def __str__(self) -> str:
         return self.value
@@ -51,6 +52,8 @@ class Result:
     result: Carried
     reason: str
     edits: tuple[NativeEdit, ...] = field(default=(), repr=False)
+    # What a tree carrying the written change needs beyond its own code (Fix.native_requires).
+    requires: tuple[str, ...] = ()
 
     def record(self) -> dict[str, object]:
         return {
@@ -58,6 +61,7 @@ class Result:
             "result": self.result.value,
             "reason": self.reason,
             "files": [e.path for e in self.edits],
+            "requires": list(self.requires),
         }
 
 
@@ -169,12 +173,13 @@ def carry(fix: Fix, tree: SourceTree, workdir: Path, before: dict[str, str] | No
     try:
         return _carry(fix, tree, workdir, before)
     except CannotCarry as exc:
-        return Result(fix.id, Carried.CANNOT, str(exc))
+        return Result(fix.id, Carried.REFUSED, str(exc))
 
 
+# The tree's own answer, when it needs nothing: the backport answer and what it says.
 _NOT_NEEDED = {
-    "fixed upstream": "the tree carries it already",
-    "not applicable": "not applicable to this tree",
+    "fixed upstream": (Carried.CARRIES_IT, "the tree behaves correctly already; nothing written"),
+    "not applicable": (Carried.NOT_APPLICABLE, "the code the bug lives in is not in this tree"),
 }
 
 
@@ -182,7 +187,8 @@ def _carry(fix: Fix, tree: SourceTree, workdir: Path, before: dict[str, str] | N
     if before is None:
         before = ask_tree(tree, fix)
     if before["answer"] in _NOT_NEEDED:
-        return Result(fix.id, Carried.NOT_NEEDED, f"{_NOT_NEEDED[before['answer']]} ({before['reason']})")
+        answer, said = _NOT_NEEDED[before["answer"]]
+        return Result(fix.id, answer, f"{said} ({before['reason']})")
     if before["answer"] != "would fix" and before["answer"] != "refused":
         raise CannotCarry(f"the tree's answer is {before['answer']}: {before['reason']}")
     if fix.native is None:
@@ -204,7 +210,11 @@ def _carry(fix: Fix, tree: SourceTree, workdir: Path, before: dict[str, str] | N
             f"the change did not verify: the changed tree answers {after['answer']}: {after['reason']}"
         )
     return Result(
-        fix.id, Carried.WRITTEN, "the changed tree carries it already (probe verified)", tuple(edits)
+        fix.id,
+        Carried.WRITTEN,
+        "written; on the changed tree the fix's probe no longer sees the bug",
+        tuple(edits),
+        fix.native_requires,
     )
 
 
@@ -222,7 +232,7 @@ class Backport:
     @property
     def failed(self) -> list[str]:
         """The fixes the tree needs (or may need) that could not be carried."""
-        return [r.fix_id for r in self.results if r.result is Carried.CANNOT]
+        return [r.fix_id for r in self.results if r.result is Carried.REFUSED]
 
     def patch(self) -> str:
         """The unified diff, one section per fix: a comment line naming the fix and what was
@@ -231,6 +241,7 @@ class Backport:
         for r in self.results:
             reason = " ".join(r.reason.split())
             out.append(f"# vllm-fixes backport {r.fix_id}: {r.result.value} ({reason})\n")
+            out += [f"# vllm-fixes backport {r.fix_id}: requires {need}\n" for need in r.requires]
             out += [e.diff() for e in r.edits]
         return "".join(out)
 

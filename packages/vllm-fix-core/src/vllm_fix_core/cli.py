@@ -409,7 +409,10 @@ def cmd_backport(items: list[Installed], args: argparse.Namespace) -> int:
             )
         )
         return code
-    rows = [[r.fix_id, r.result.value, ", ".join(e.path for e in r.edits), r.reason] for r in done.results]
+    rows = [
+        [r.fix_id, r.result.value, ", ".join(e.path for e in r.edits), "; ".join((r.reason, *r.requires))]
+        for r in done.results
+    ]
     report = f"{_table(rows, ['fix', 'result', 'files', 'why'])}\n{done.summary()}"
     if written:
         report += f"\n{tree}: {len(done.edits)} files changed"

@@ -197,6 +197,10 @@ class Fix:
     # How a fork carries the fix in its own source (`vllm-fixes backport`): the edits for a tree,
     # or CannotCarry saying why (see vllm_fix_core.native). None: no native transformation.
     native: Callable[[SourceTree], list[NativeEdit]] | None = None
+    # What a tree carrying the native change needs beyond its own code, one line each (a MORI
+    # version, say): `backport` reports it with every change it writes (JSON "requires", the
+    # patch's header).
+    native_requires: tuple[str, ...] = ()
 
     @property
     def trigger_module(self) -> str:

@@ -10,6 +10,7 @@ import textwrap
 import threading
 import time
 import types
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -151,3 +152,137 @@ def node_fingerprint(node: ast.AST) -> str:
 def ast_fingerprint(obj: Any) -> str:
     """The normalized AST fingerprint of a function (docstrings stripped, `node_fingerprint`)."""
     return node_fingerprint(function_ast(obj))
+
+
+# --------------------------------------------------------------------------- drift-tolerant
+_LOG_METHODS = frozenset(
+    {
+        "debug",
+        "info",
+        "warning",
+        "warn",
+        "error",
+        "exception",
+        "critical",
+        "info_once",
+        "warning_once",
+        "debug_once",
+    }
+)
+
+
+def _is_log_call(statement: ast.stmt) -> bool:
+    """``logger.info(...)``-like: a statement that only logs (a name ending in "logger"/"log")."""
+    if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)):
+        return False
+    func = statement.value.func
+    if not (isinstance(func, ast.Attribute) and func.attr in _LOG_METHODS):
+        return False
+    owner = func.value
+    if isinstance(owner, ast.Name):
+        return owner.id.lower().endswith(("logger", "log"))
+    # logging.getLogger(__name__).debug(...)
+    return isinstance(owner, ast.Call) and getattr(owner.func, "attr", "") == "getLogger"
+
+
+class _Canonical(ast.NodeTransformer):
+    """Renames the function's locals by order of first binding, drops log-only statements."""
+
+    def __init__(self, names: dict[str, str]) -> None:
+        self.names = names
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        if node.id in self.names:
+            return ast.Name(id=self.names[node.id], ctx=node.ctx)
+        return node
+
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        for field, value in ast.iter_fields(node):
+            if type(value) is list and value and isinstance(value[0], ast.stmt):
+                kept = [s for s in value if not _is_log_call(s)] or [ast.Pass()]
+                setattr(node, field, kept)
+        return super().generic_visit(node)
+
+
+def _locals(node: ast.FunctionDef | ast.AsyncFunctionDef, params: set[str]) -> dict[str, str]:
+    declared: set[str] = set()
+    order: list[str] = []
+    for child in ast.walk(node):
+        if isinstance(child, (ast.Global, ast.Nonlocal)):
+            declared.update(child.names)
+    for child in ast.walk(node):
+        if not (isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store)):
+            continue
+        if child.id not in params and child.id not in order:
+            order.append(child.id)
+    return {name: f"_local{i}" for i, name in enumerate(n for n in order if n not in declared)}
+
+
+def canonical_function(obj: Any) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef, tuple[str, ...]]:
+    """A function's AST up to the changes a release makes without changing what it does, and
+    the keyword-only parameters it dropped:
+
+    * its locals renamed by order of first binding (a renamed local is the same function);
+    * log-only statements (``logger.debug(...)``) left out;
+    * keyword-only parameters that have a default and that the body never reads left out (the
+      function behaves the same whether a caller passes them or not).
+    """
+    import copy
+
+    node = copy.deepcopy(function_ast(obj))
+    read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    args = node.args
+    dropped: list[str] = []
+    kept_kw, kept_defaults = [], []
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
+        if default is not None and arg.arg not in read:
+            dropped.append(arg.arg)
+        else:
+            kept_kw.append(arg)
+            kept_defaults.append(default)
+    args.kwonlyargs, args.kw_defaults = kept_kw, kept_defaults
+    params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)}
+    params |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
+    body = ast.Module(body=node.body, type_ignores=[])
+    _Canonical(_locals(node, params)).visit(body)
+    node.body = body.body
+    return node, tuple(dropped)
+
+
+def canonical_fingerprint(obj: Any) -> str:
+    """`node_fingerprint` of :func:`canonical_function`: equal for two functions that differ
+    only by renamed locals, log lines and unused defaulted keyword-only parameters."""
+    return node_fingerprint(canonical_function(obj)[0])
+
+
+def dropping(replacement: Any, dropped: tuple[str, ...]) -> Any:
+    """`replacement` taking (and ignoring) the keyword arguments `dropped`: what replaces a
+    body whose canonical shape left those unused parameters out."""
+    import functools
+
+    if not dropped:
+        return replacement
+
+    @functools.wraps(replacement)
+    def adapter(*args: Any, **kwargs: Any) -> Any:
+        for name in dropped:
+            kwargs.pop(name, None)
+        return replacement(*args, **kwargs)
+
+    return adapter
+
+
+def call_params(func: Any, expected: Iterable[str] = ()) -> list[str]:
+    """The parameter names of `func` (through classmethod / staticmethod), without the keyword-only
+    ones that have a default and are not among `expected`: a release adds such a parameter
+    without changing any call a wrapper sees (a wrapper passes it through untouched)."""
+    import inspect as _inspect
+
+    if isinstance(func, (classmethod, staticmethod)):
+        func = func.__func__
+    known = set(expected)
+    return [
+        name
+        for name, p in _inspect.signature(func).parameters.items()
+        if not (p.kind is p.KEYWORD_ONLY and p.default is not p.empty and name not in known)
+    ]

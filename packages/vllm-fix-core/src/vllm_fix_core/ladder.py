@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from vllm_fix_core.declaration import Fix, NotApplicable, ProbeReport, UnknownShape
+from vllm_fix_core.guest import guest
 from vllm_fix_core.hooks import locate
 from vllm_fix_core.log import get_logger, probing
 from vllm_fix_core.patching import PatchSet
@@ -318,8 +319,9 @@ def _apply_and_verify(fix: Fix, before: ProbeReport, shape: str) -> Decision:
 
 
 def run_probe(fix: Fix) -> ProbeReport:
-    """Run the fix's probe with the fixes' own log lines silenced (see log.probing)."""
-    with probing():
+    """Run the fix's probe as a guest of this process (see guest.guest: vLLM's records on this
+    thread dropped, nothing left behind) with the fixes' own log lines silenced (log.probing)."""
+    with guest(), probing():
         return fix.run_probe()
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 
 from vllm_fix_core import PatchSet, UnknownShape, original_of, resolve_qualname
+from vllm_fix_core.fingerprint import call_params
 from vllm_fix_handshake_port import listener, offset, senders, sites
 
 
@@ -39,7 +40,10 @@ def recognize() -> str:
     common = mods["moriio_common"]
     port_offset = original_of(common, "get_port_offset")
     sig = inspect.signature(port_offset)
-    if list(sig.parameters) != ["dp_rank", "tp_rank", "tp_size"] or sig.parameters["tp_size"].default != 1:
+    if (
+        call_params(port_offset, ["dp_rank", "tp_rank", "tp_size"]) != ["dp_rank", "tp_rank", "tp_size"]
+        or sig.parameters["tp_size"].default != 1
+    ):
         raise UnknownShape(f"get_port_offset{sig} is not get_port_offset(dp_rank, tp_rank, tp_size=1)")
     if port_offset(1, 0, 2) != 2 or port_offset(3, 1, 4) != 13:
         raise UnknownShape("get_port_offset(dp, tp, tp_size) is no longer dp * tp_size + tp")

@@ -170,7 +170,11 @@ def _split(func: cst.FunctionDef) -> list[cst.BaseStatement]:
         + call
         + """
         if finished:
-            delta_message = _release_held_tail(self, delta_message, request)
+            try:
+                delta_message = _release_held_tail(self, delta_message, request)
+            except Exception:
+                # Never harm the stream: the final delta goes out as vLLM made it.
+                logging.getLogger(__name__).exception("held-back tail not released")
         return delta_message
         """.replace("\n        ", "\n")
     )
@@ -178,6 +182,29 @@ def _split(func: cst.FunctionDef) -> list[cst.BaseStatement]:
         leading_lines=[cst.EmptyLine(indent=False), c.comment_line(MARK_METHOD)]
     )
     return [holding, fixed]
+
+
+def _logging_import(source: str) -> str:
+    """``import logging`` first among the module's imports, unless it has it."""
+    if "logging" in c.module_names(source):
+        return source
+    module = c.parse(source)
+    for i, stmt in enumerate(module.body):
+        if isinstance(stmt, cst.SimpleStatementLine) and isinstance(
+            stmt.body[0], (cst.Import, cst.ImportFrom)
+        ):
+            first = stmt.body[0]
+            if (
+                isinstance(first, cst.ImportFrom)
+                and first.module is not None
+                and c.dotted(first.module) == "__future__"
+            ):
+                continue
+            # It takes the blank lines above the import it goes before, which follows it directly.
+            new = cst.parse_statement("import logging\n").with_changes(leading_lines=stmt.leading_lines)
+            moved = stmt.with_changes(leading_lines=[])
+            return module.with_changes(body=[*module.body[:i], new, moved, *module.body[i + 1 :]]).code
+    raise CannotCarry(f"{K3_MODULE} has no import to put 'import logging' before")
 
 
 def _typing_import(source: str) -> str:
@@ -202,7 +229,7 @@ def transform(tree: SourceTree) -> list[NativeEdit]:
     recognize(tree)
 
     def change(text: str) -> str:
-        text = _typing_import(text)
+        text = _logging_import(_typing_import(text))
         text = c.replace_function(text, QUALNAME, _split)
         return c.add_before(text, "KimiK3Parser", HELPERS, MARK_HELPERS)
 

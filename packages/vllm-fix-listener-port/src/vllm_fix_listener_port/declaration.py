@@ -61,6 +61,11 @@ FIX = Fix(
     ),
     links=_links,
     native=_native,
+    native_requires=(
+        "MORI v0.1.0 or later (ROCm/mori#125): the carried worker binds port 0 and reads back the "
+        "port MORI's listener bound; with an older MORI it stops at start-up with an error naming "
+        "it (the runtime fix holds the port there instead)",
+    ),
     # moriio_connector imports moriio_common itself, and the worker can only call
     # from_vllm_config after moriio_connector is imported.
     trigger=CONNECTOR,

@@ -12,11 +12,15 @@ Then it looks at the two ``local_kv_port`` values the way the host sees them:
 * port 0 is right only with a MORI that reports the port it auto-bound (mori_support);
   with an older one every worker would fail at start-up.
 
-The ports themselves come from vLLM's ``get_open_port`` (one throwaway socket per call,
-as vLLM opens) and from whatever the installed wrappers do; the configs are dropped at
-the end. ``from_vllm_config`` reads the tensor-parallel rank; where this process has no
-TP group yet (the ``vllm-fixes`` command, a process before distributed init) a rank-0 of 1
-stand-in is set for the two calls and removed afterwards; a real group is used as it is.
+The ports themselves come from whatever the installed wrappers do and, for vLLM's own
+``get_open_port()`` calls, from the kernel: the probe calls the installed chain with vLLM's
+function run on a private copy of its module's globals in which ``get_open_port`` binds port
+0 and releases it, as vLLM's does without ``VLLM_PORT`` (vllm_fix_core.moriio_probe), so the
+probe never binds ``VLLM_PORT`` and changes nothing another thread sees; the configs are
+dropped at the end. ``from_vllm_config`` reads the tensor-parallel rank; where this process
+has no TP group yet (the ``vllm-fixes`` command, a process before distributed init) a rank-0
+of 1 stand-in is set for the two calls and removed afterwards (unless a real group was
+installed meanwhile); a real group is used as it is.
 
 Then it builds one worker with the installed ``MoRIIOConnectorWorker.__init__`` (vLLM's
 body and whatever is layered on it), MORI stood in for the call (vllm_fix_core.moriio_probe: its listener
@@ -40,7 +44,6 @@ import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 from vllm_fix_core import Check, ProbeReport, moriio_probe
@@ -53,24 +56,16 @@ _TP_LOCK = threading.Lock()
 
 
 def vllm_config(extra: dict[str, Any] | None = None) -> Any:
-    """What from_vllm_config reads of a VllmConfig, as vLLM's own config objects."""
+    """vLLM's own VllmConfig as from_vllm_config reads it (vllm_fix_core.moriio_probe)."""
     return moriio_probe.vllm_config(EXTRA_CONFIG if extra is None else extra)
 
 
 @contextmanager
 def tp_group() -> Iterator[None]:
-    """This process's TP group, or a rank-0-of-1 stand-in for the duration (then none again)."""
-    from vllm.distributed import parallel_state
-
-    with _TP_LOCK:
-        if getattr(parallel_state, "_TP", None) is not None:
-            yield
-            return
-        parallel_state._TP = SimpleNamespace(rank_in_group=0, world_size=1)
-        try:
-            yield
-        finally:
-            parallel_state._TP = None
+    """This process's TP group, or a rank-0-of-1 stand-in for the duration (then none again,
+    unless a real group was installed meanwhile: that one stays)."""
+    with _TP_LOCK, moriio_probe.process_groups():
+        yield
 
 
 def ports_held_here() -> set[int]:
@@ -151,7 +146,7 @@ def probe() -> ProbeReport:
 
     mori = installed_mori()
     with tp_group():
-        configs = [moriio_common.MoRIIOConfig.from_vllm_config(vllm_config()) for _ in range(2)]
+        configs = [moriio_probe.from_vllm_config(moriio_common, vllm_config()) for _ in range(2)]
         worker = _worker_port_twice()
     ports = [int(c.local_kv_port) for c in configs]
     here = ports_held_here()

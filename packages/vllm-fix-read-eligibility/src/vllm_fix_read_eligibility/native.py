@@ -41,18 +41,35 @@ MODULE_NAMES = ("Any", "MoRIIOMode", "MoRIIOConnectorMetadata", "logger")
 _NEEDED_FLAT = """
     return [-(-end // scheduler.block_size)]
 """
-_NEEDED_PER_GROUP = """
+_NEEDED_LOCAL = """
     groups = scheduler.kv_cache_config.kv_cache_groups
-    # Blocks for tokens [0, N-1) in every group, clipped the way the connector clips what
-    # it reads (transfer groups only, the last window of a sliding-window group).
-    local = [list(range(-(-end // g.kv_cache_spec.block_size))) for g in groups]
-    return [len(g) for g in scheduler.get_exchange_clipped_blocks(local)]
+    try:  # a DCP-sharded group's block holds block_size * dcp tokens
+        dcp = max(int(scheduler.vllm_config.parallel_config.decode_context_parallel_size), 1)
+    except Exception:
+        dcp = 1
+
+    def held(spec: Any) -> int:
+        # The blocks a request holding tokens [0, N-1) has in a group: one for a state
+        # group vLLM never prefix-caches (a circular buffer), else one per block of tokens.
+        if getattr(spec, "prefix_cacheable", True) is False:
+            return 1
+        return -(-end // (spec.block_size * (dcp if getattr(spec, "dcp_sharded", False) else 1)))
+
+    local = [list(range(held(g.kv_cache_spec))) for g in groups]
 """
 _NEEDED_HYBRID = """
     if scheduler._has_mamba:
-        # Hybrid READ: the attention group first, then one running-state slot per Mamba group.
-        attn = groups[scheduler._attn_group_ids[0]].kv_cache_spec.block_size
-        return [-(-end // attn)] + [1 for _ in scheduler._mamba_group_ids]
+        # Hybrid READ: what the connector's own split_block_groups reads of those blocks
+        # (every attention group, window-trimmed, or the one attention group before vLLM
+        # 0.34; then one running-state slot per Mamba group).
+        attn, mamba = scheduler.split_block_groups(local)
+        attn_groups = attn if attn and isinstance(attn[0], list) else [attn]
+        return [len(g) for g in attn_groups] + [len(g) for g in mamba]
+"""
+_NEEDED_CLIPPED = """
+    # Clipped the way the connector clips what it reads (transfer groups only, the last
+    # window of a sliding-window group).
+    return [len(g) for g in scheduler.get_exchange_clipped_blocks(local)]
 """
 _GROUPS_FLAT = """
     groups = [blocks]
@@ -244,8 +261,10 @@ def helpers_code(layout: BlockLayout, hybrid: bool) -> str:
     if layout is BlockLayout.FLAT:
         needed, groups = _NEEDED_FLAT, _GROUPS_FLAT
     else:
-        first, _, rest = _NEEDED_PER_GROUP.strip("\n").partition("\n")
-        needed = first + "\n" + (_NEEDED_HYBRID.strip("\n") + "\n" if hybrid else "") + rest
+        parts = (
+            (_NEEDED_LOCAL, _NEEDED_HYBRID, _NEEDED_CLIPPED) if hybrid else (_NEEDED_LOCAL, _NEEDED_CLIPPED)
+        )
+        needed = "\n".join(part.strip("\n") for part in parts)
         groups = _GROUPS_PER_GROUP
 
     def indent(block: str, by: str) -> str:

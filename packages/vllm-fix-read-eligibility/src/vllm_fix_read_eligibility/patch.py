@@ -24,13 +24,13 @@ shape), so a body that decides by something else is refused, not wrapped.
 from __future__ import annotations
 
 import ast
-import inspect
 import threading
 import time
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger, original_of
+from vllm_fix_core.fingerprint import call_params
 from vllm_fix_core.log import is_probing
 from vllm_fix_read_eligibility.releases import block_layout
 from vllm_fix_read_eligibility.rule import (
@@ -48,7 +48,7 @@ KNOWN_SHAPES = {
     "7013444d3022e8f6": "vllm-0.29.0",  # also 0.14.0 to 0.30.0 (the same body)
     "c4f8bf2a6d61a883": "vllm-0.31.0",
     "c98f56e1ca0f0001": "vllm-0.32.0",
-    "0a8992648f2c81ed": "vllm-0.33.0",
+    "0a8992648f2c81ed": "vllm-0.33.0",  # also 0.34.0 (the same body)
 }
 _logger = get_logger("read-eligibility")
 
@@ -68,10 +68,14 @@ def self_attributes(node: ast.AST) -> set[str]:
     }
 
 
+# A keyword-only parameter with a default that a release adds is passed through by the wrapper.
+EXPECTED_PARAMS = ("self", "request", "num_computed_tokens")
+
+
 def shape_reason(params: Sequence[str], node: ast.AST) -> str | None:
     """Why the method (its parameter names and AST) is not a shape the rule can answer for, or
     None: the runtime patch (recognize) and the native carry (native.py) both ask this."""
-    if list(params) != ["self", "request", "num_computed_tokens"]:
+    if list(params) != list(EXPECTED_PARAMS):
         return f"unexpected signature {TARGET}{tuple(params)}"
     missing = {"is_producer", "mode"} - self_attributes(node)
     if missing:
@@ -88,7 +92,7 @@ def recognize() -> str:
     if TARGET not in cls.__dict__:
         raise UnknownShape(f"MoRIIOConnectorScheduler.{TARGET} is not defined on the class")
     method = original_of(cls, TARGET)  # what vLLM shipped, also under a layer of ours
-    reason = shape_reason(list(inspect.signature(method).parameters), function_ast(method))
+    reason = shape_reason(call_params(method, EXPECTED_PARAMS), function_ast(method))
     if reason:
         raise UnknownShape(reason)
     if not hasattr(mc.MoRIIOMode, "READ"):
@@ -101,23 +105,49 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _dcp_size(instance: Any) -> int:
+    """Decode context parallel ranks (1 where the connector has no config): a DCP-sharded
+    group's block holds ``block_size * dcp`` tokens (vLLM's single-type KV cache managers)."""
+    try:
+        return max(int(instance.vllm_config.parallel_config.decode_context_parallel_size), 1)
+    except Exception:
+        return 1
+
+
+def _held_blocks(spec: Any, end: int, dcp: int) -> int:
+    """The blocks a request holding tokens ``[0, end)`` has in a KV cache group: one for a
+    state group vLLM never prefix-caches (a circular buffer: one block per request), else
+    one per block of tokens (a Mamba group's slots are clipped to one by the connector)."""
+    if getattr(spec, "prefix_cacheable", True) is False:
+        return 1
+    size = int(spec.block_size) * (dcp if getattr(spec, "dcp_sharded", False) else 1)
+    return _cdiv(end, size)
+
+
 def needed_blocks(instance: Any, layout: BlockLayout, num_prompt_tokens: Any) -> tuple[int, ...] | None:
     """Per block list this engine reads, the fewest remote blocks covering a claim of
     every prompt token but the last (tokens ``[0, N-1)``), asked of the connector; None
-    where the connector's groups cannot be read (never raises)."""
+    where the connector's groups cannot be read (never raises).
+
+    The connector itself says what it reads of a request's blocks: the block lists of a
+    request holding tokens ``[0, N-1)`` (one per KV cache group) go through its own
+    ``split_block_groups`` (hybrid READ: every attention group, sliding-window groups
+    trimmed to their window where this vLLM trims them, then one running-state slot per
+    Mamba group; vLLM 0.31 to 0.33 read one attention group, untrimmed) or
+    ``get_exchange_clipped_blocks`` (transfer groups only, the last window of a
+    sliding-window group)."""
     try:
         end = max(int(num_prompt_tokens) - 1, 0)
         if layout is BlockLayout.FLAT:
             return (_cdiv(end, int(instance.block_size)),)
+        dcp = _dcp_size(instance)
         groups = instance.kv_cache_config.kv_cache_groups
+        local = [list(range(_held_blocks(g.kv_cache_spec, end, dcp))) for g in groups]
         if getattr(instance, "_has_mamba", False):
-            # Hybrid READ: the attention group first, then one running-state slot per
-            # Mamba group (vLLM's split_block_groups).
-            attn = groups[instance._attn_group_ids[0]].kv_cache_spec.block_size
-            return (_cdiv(end, int(attn)), *(1 for _ in instance._mamba_group_ids))
-        # Blocks for tokens [0, N-1) in every group, clipped the way the connector clips
-        # what it reads (transfer groups only, the last window for sliding windows).
-        local = [list(range(_cdiv(end, int(g.kv_cache_spec.block_size)))) for g in groups]
+            attn, mamba = instance.split_block_groups(local)
+            # vLLM 0.31 to 0.33 return the one attention group as a flat list.
+            attn_groups = attn if attn and isinstance(attn[0], list) else [attn]
+            return (*(len(g) for g in attn_groups), *(len(g) for g in mamba))
         return tuple(len(g) for g in instance.get_exchange_clipped_blocks(local))
     except Exception:  # an engine we cannot read: fall back to the checks needing no facts
         return None

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_fix_core import PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger, original_of
+from vllm_fix_core.fingerprint import canonical_fingerprint, canonical_function, dropping
 from vllm_fix_read_failure_ownership.rule import Outcome, classify, ownership
 
 FIX_ID = "read-failure-ownership"
@@ -31,6 +32,13 @@ TARGET = "_pop_done_transfers"
 KNOWN_SHAPES = {
     "e36833d400c2f75a": "vllm-0.32.0",
     "692d6197971f9783": "vllm-0.33.0",
+}
+# The same shapes up to what a release changes without changing behaviour (renamed locals, log
+# lines, unused defaulted keyword-only parameters: vllm_fix_core.fingerprint.canonical_function),
+# read on 0.31.0-0.32.0 and 0.33.0-0.34.0.
+CANONICAL_SHAPES = {
+    "afae3b34f6b694df": "vllm-0.32.0",
+    "a4df9c59867dff14": "vllm-0.33.0",
 }
 # Worker helpers each shape's replacement calls.
 _HELPERS = {
@@ -71,7 +79,7 @@ def recognize() -> str:
     # Fingerprint what vLLM shipped, also when a fix of ours is layered on it already.
     method = original_of(cls, TARGET)
     fingerprint = ast_fingerprint(method)
-    shape = KNOWN_SHAPES.get(fingerprint)
+    shape = KNOWN_SHAPES.get(fingerprint) or CANONICAL_SHAPES.get(canonical_fingerprint(method))
     if shape is None:
         hint = (
             "; it already raises for hybrid models on some path, so upstream may carry the fix"
@@ -243,4 +251,7 @@ REPLACEMENTS: dict[str, Callable[[Any], set[str]]] = {
 def apply(patch: PatchSet, shape: str) -> None:
     if shape not in REPLACEMENTS:
         raise UnknownShape(f"no replacement for shape {shape!r}")
-    patch.replace(_mc().MoRIIOConnectorWorker, TARGET, REPLACEMENTS[shape])
+    cls = _mc().MoRIIOConnectorWorker
+    # Parameters a release added and the body never reads are taken and ignored, as vLLM does.
+    dropped = canonical_function(original_of(cls, TARGET))[1]
+    patch.replace(cls, TARGET, dropping(REPLACEMENTS[shape], dropped))

@@ -7,6 +7,7 @@ import inspect
 from typing import Any
 
 from vllm_fix_core import NotApplicable, PatchSet, UnknownShape, ast_fingerprint, function_ast, get_logger
+from vllm_fix_core.fingerprint import call_params
 from vllm_fix_sync_load_context import shapes
 from vllm_fix_sync_load_context.rule import full_step_context
 
@@ -121,7 +122,9 @@ def recognize() -> str:
     pre_forward = cls.__dict__.get("pre_forward")
     if pre_forward is None:
         raise UnknownShape("ActiveKVConnector.pre_forward is not defined on the class")
-    params = list(inspect.signature(pre_forward).parameters)
+    # A keyword-only parameter with a default that a release adds is passed through.
+    known = {name for shape in (*shapes.BATCH_IN_CALLER, PRE_FORWARD_PARAMS) for name in shape}
+    params = call_params(pre_forward, known)
     if params in shapes.BATCH_IN_CALLER:
         return _recognize_caller(cls, fc, model_runner)
     if params != PRE_FORWARD_PARAMS:

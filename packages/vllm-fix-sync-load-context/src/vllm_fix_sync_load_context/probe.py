@@ -2,15 +2,16 @@
 
 Runs the real, currently installed ``GPUModelRunner.execute_model`` through its FULL branch,
 with the real ``ActiveKVConnector`` (whatever ``pre_forward`` is installed) and a recording
-connector. The runner's ``self`` is a minimal stand-in (``stand_ins.py``): request state, input
-preparation and the CUDA graph manager need a GPU, so they hand back a prepared batch, attention
-metadata and a replay that records what it saw. Everything between those calls is vLLM's own code.
+connector. The runner's ``self`` (``stand_ins.py``) holds vLLM's own objects wherever a CPU can
+build them (the config, built without platform hooks, the step's ``InputBatch`` and attention
+metadata, ``KVCacheConfig``, ...); request state, input preparation and the CUDA graph manager
+need a GPU, so they hand back the prepared batch, its attention metadata and a replay that
+records what it saw. Everything between those calls is vLLM's own code.
 """
 
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 from typing import Any
 
 from vllm_fix_core import Check, NotApplicable, ProbeReport
@@ -22,6 +23,7 @@ from vllm_fix_sync_load_context.stand_ins import (
     Seen,
     StandInRunner,
     active_connector,
+    attention_metadata,
     step_batch,
     step_output,
 )
@@ -49,7 +51,7 @@ def run_step(mode_name: str, connector: Any, seen: Seen, vllm_config: Any, *, sy
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     batch = step_batch()
-    attn = {"model.layers.0.self_attn.attn": SimpleNamespace(num_actual_tokens=batch.num_tokens)}
+    attn = attention_metadata(batch)
     graphs = Graphs(getattr(CUDAGraphMode, mode_name), seen, torch.zeros(batch.num_tokens, 4))
     # 0.15/0.16's runner reads the step's metadata from the batch its prepare_inputs returns.
     batch.attn_metadata, batch.slot_mappings, batch.inputs_embeds = attn, None, None
@@ -60,16 +62,18 @@ def run_step(mode_name: str, connector: Any, seen: Seen, vllm_config: Any, *, sy
 
 @functools.lru_cache(maxsize=1)
 def probe_config() -> Any:
-    """A default VllmConfig (it only feeds the forward contexts), one per process: never the
+    """vLLM's VllmConfig with every field at vLLM's default (it only feeds the forward contexts),
+    one per process, built without ``__post_init__`` (vllm_fix_core.guest.build): no platform
+    hook runs (``check_and_update_config`` rewrites ``os.environ``, logs an engine
+    configuration and, on vLLM 0.34's x86 CPU platform without triton-cpu, raises). Never the
     running engine's own config, whose DP settings could make vLLM's own context code run a
-    collective. On a host where vLLM cannot infer its device (a CPU box with a CUDA build)
-    the device is named."""
+    collective. Its DeviceConfig is built the same way: vLLM's own one infers the device from
+    the platform, which fails on a host where it cannot (a CPU box with a CUDA build)."""
     from vllm.config import DeviceConfig, VllmConfig
 
-    try:
-        return VllmConfig()
-    except RuntimeError:
-        return VllmConfig(device_config=DeviceConfig("cpu"))
+    from vllm_fix_core.guest import build
+
+    return build(VllmConfig, device_config=build(DeviceConfig))
 
 
 def _describe(load: dict[str, Any], attn: Any) -> str:

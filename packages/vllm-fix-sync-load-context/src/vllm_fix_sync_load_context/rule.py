@@ -37,10 +37,20 @@ def _takes_padding(create_forward_context: Any) -> bool:
     return "is_padding" in inspect.signature(create_forward_context).parameters
 
 
+@functools.lru_cache(maxsize=8)
+def _descriptor_fields(cls: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(cls).parameters)
+
+
 @functools.lru_cache(maxsize=1024)
 def _batch_descriptor(cls: Any, num_tokens: int, num_reqs: int | None, has_lora: bool) -> Any:
+    """The installed BatchDescriptor of the padded batch, with the fields it has (``has_lora``
+    until 0.33; 0.34 dropped it); every other field at vLLM's default, as the runner's own
+    other branch leaves them."""
     # Frozen and hashable; a FULL graph is one of a few captured sizes, so one per size is kept.
-    return cls(num_tokens=num_tokens, num_reqs=num_reqs, has_lora=has_lora)
+    values = {"num_tokens": num_tokens, "num_reqs": num_reqs, "has_lora": has_lora}
+    fields = _descriptor_fields(cls)
+    return cls(**{name: value for name, value in values.items() if name in fields})
 
 
 def full_step_context(vllm_config: Any, attn_metadata: Any, input_batch: Any) -> Any:

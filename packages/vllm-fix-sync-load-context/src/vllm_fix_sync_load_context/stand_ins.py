@@ -1,12 +1,22 @@
 """CPU stand-ins for what the MRV2 ``GPUModelRunner.execute_model`` needs a GPU for.
 
 The probe (``probe.py``) runs the real, installed ``execute_model`` unbound with a
-:class:`StandInRunner` as ``self``. Only what needs a GPU is stood in for: request state
-(``add_requests`` and friends), input preparation (``prepare_inputs`` / ``prepare_attn`` hand back
-a prepared batch and the step's attention metadata) and the CUDA graph manager (:class:`Graphs`:
-it dispatches the mode it is given and records the FULL replay, a PIECEWISE run or an eager
-forward instead of launching kernels). Dispatch, the branch choice, the forward contexts, the
-real ``ActiveKVConnector`` and vLLM's own connector base class are vLLM's.
+:class:`StandInRunner` as ``self``. What the step reads is vLLM's own wherever a CPU host can
+build it: the configs (the probe's ``VllmConfig``, built by ``vllm_fix_core.guest.build``
+without platform hooks, and its sub-configs), the step's ``InputBatch``, its attention metadata
+(``CommonAttentionMetadata``), ``KVCacheConfig``, ``InputBuffers``, ``EPLBController``,
+``StepTimingCollector``, ``BatchReqState`` and ``SchedulerOutput``; a release that reads one more
+field of them finds vLLM's default. Stood in for is only what needs a GPU:
+
+- request state and block tables (``RequestState`` / ``BlockTables`` allocate UVA and device
+  buffers) and the draft-token handler (``DraftTokensHandler`` opens a CUDA stream and event);
+- input preparation (``prepare_inputs`` / ``prepare_attn`` and the model state hand back the
+  prepared batch and the step's attention metadata instead of running kernels);
+- the CUDA graph manager (:class:`Graphs`: it dispatches the mode it is given and records the
+  FULL replay, a PIECEWISE run or an eager forward instead of launching kernels).
+
+Dispatch, the branch choice, the forward contexts, the real ``ActiveKVConnector`` and vLLM's own
+connector base class are vLLM's.
 
 These are the stand-ins the runtime probe decides with; the test support package
 (``vllm_fix_testing.runner``) extends them rather than carrying its own.
@@ -14,10 +24,10 @@ These are the stand-ins the runtime probe decides with; the test support package
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 # The probe's FULL step: 3 decodes padded to a captured graph of 4 (the padded count differs
@@ -26,6 +36,8 @@ NUM_REQS = 3
 PADDED_TO = 4
 # What a load records for a forward-context field the installed release does not have.
 NO_FIELD = object()
+# The probe model's one attention layer.
+LAYER = "model.layers.0.self_attn.attn"
 
 
 @dataclass
@@ -136,6 +148,9 @@ class Graphs:
 
 
 class _ModelState:
+    """The model's state: building a step's attention metadata and model inputs runs GPU
+    kernels, so the step's prepared metadata is handed back instead."""
+
     def __init__(self, attn_metadata: Any) -> None:
         self.attn_metadata = attn_metadata
 
@@ -149,12 +164,68 @@ class _ModelState:
         return {}
 
 
+class _StagedWrites:
+    """vLLM's BlockTables: its constructor allocates UVA (pinned) and device tensors a CPU
+    host cannot, and the probe's step writes no block table."""
+
+    def apply_staged_writes(self) -> None:
+        pass
+
+
+@dataclass
+class _DeviceTensor:
+    gpu: Any
+
+
+class _RequestStates:
+    """vLLM's RequestState: its constructor allocates UVA (pinned) buffers a CPU host cannot.
+    What execute_model reads of it: the step's requests and their computed-token counts."""
+
+    def __init__(self, batch: Any) -> None:
+        import torch
+
+        self.req_id_to_index = {req_id: i for i, req_id in enumerate(batch.req_ids)}
+        self.num_computed_tokens = _DeviceTensor(torch.zeros(batch.num_reqs, dtype=torch.int32))
+
+
+class _DraftTokens:
+    """vLLM's DraftTokensHandler (0.34 on): its constructor opens a CUDA stream and event; the
+    probe's step has no draft tokens."""
+
+    def begin_step(self, scheduler_output: Any) -> None:
+        pass
+
+
+def _model_runner() -> Any:
+    from vllm.v1.worker.gpu import model_runner
+
+    return model_runner
+
+
+def _made(name: str, *args: Any) -> Any:
+    """vLLM's own `name` (as the installed model runner imports it) built with `args`, or None
+    where this release's runner has none (and so does not read it)."""
+    cls = getattr(_model_runner(), name, None)
+    return None if cls is None else cls(*args)
+
+
 class StandInRunner:
-    """The attributes GPUModelRunner.execute_model reads on its way through one step."""
+    """The attributes GPUModelRunner.execute_model reads on its way through one step.
+
+    Configs and CPU-side objects are vLLM's own (the runner's VllmConfig and its sub-configs,
+    InputBuffers, EPLBController, StepTimingCollector, KVCacheConfig, BatchReqState); what a
+    CPU host lacks is stood in for: request state, block tables and the draft-token handler
+    (UVA / CUDA allocations), the model state (GPU metadata building) and the CUDA graph
+    manager (:class:`Graphs`)."""
 
     def __init__(self, vllm_config: Any, kv_connector: Any, graphs: Any, input_batch: Any, attn: Any) -> None:
         import torch
+        from vllm.v1.kv_cache_interface import KVCacheConfig
 
+        from vllm_fix_core.guest import build
+
+        padded = int(input_batch.num_tokens_after_padding)
+        cpu = torch.device("cpu")
         self.vllm_config = vllm_config
         self.kv_connector = kv_connector
         self.cudagraph_manager = graphs
@@ -162,8 +233,18 @@ class StandInRunner:
         self.model_state = _ModelState(attn)
         self.model_config = vllm_config.model_config
         self.parallel_config = vllm_config.parallel_config
-        self.lora_config = None
+        self.observability_config = vllm_config.observability_config
+        self.lora_config = vllm_config.lora_config
+        # No KV cache groups: the probe's model registers no layer with a KV cache.
+        self.kv_cache_config = build(KVCacheConfig, num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[])
+        self.input_buffers = _made("InputBuffers", padded, padded, cpu)
+        self.eplb = _made("EPLBController", vllm_config.parallel_config, cpu)
+        self.step_timing = _made("StepTimingCollector")
+        self.req_states = _RequestStates(input_batch)
+        self.block_tables = _StagedWrites()
+        self.draft_tokens_handler = _DraftTokens()
         self.encoder_cache = None
+        self.extensible_kv_cache = None
         self.aux_output_connector = None
         self.pcp_manager = None
         self.ubatch_runner = None
@@ -171,7 +252,6 @@ class StandInRunner:
         self.is_encoder_only = False  # releases up to 0.28
         self.routed_experts_capturer = None  # releases 0.28-0.30
         self.pp_handler = None
-        self.input_buffers = SimpleNamespace(dcp_local_seq_lens=None)
         self.uses_inputs_embeds = False
         self.uses_mrope = False  # 0.15/0.16
         self.supports_mm_inputs = False
@@ -181,14 +261,8 @@ class StandInRunner:
         self.dp_size, self.dp_rank = 1, 0
         self.dcp_size, self.dcp_rank, self.cp_interleave = 1, 0, 1
         self.decode_query_len = 1
-        self.req_states = SimpleNamespace(num_computed_tokens=SimpleNamespace(gpu=None))
         self.attn_groups: list[Any] = []
-        self.kv_cache_config = SimpleNamespace(kv_cache_groups=[])
-        self.observability_config = SimpleNamespace(cudagraph_metrics=False)
-        self.block_tables = SimpleNamespace(apply_staged_writes=lambda: None)
-        self.eplb = SimpleNamespace(prepare_forward=lambda *a, **k: None)
-        self.step_timing = SimpleNamespace(record_batch=lambda *a, **k: None, forward_start=lambda: None)
-        self.slot_mappings = torch.zeros((1, input_batch.num_tokens_after_padding), dtype=torch.int64)
+        self.slot_mappings = torch.zeros((1, padded), dtype=torch.int64)
 
     def model(self, *args: Any, **kwargs: Any) -> Any:
         """The model itself: eager steps (and PIECEWISE on releases without run_pw_graph) call it."""
@@ -210,13 +284,12 @@ class StandInRunner:
         pass
 
     def gather_batch_req_state(self, scheduler_output: Any, dummy_run: bool) -> tuple[Any, int]:
-        batch = self.input_batch
-        state = SimpleNamespace(
-            num_tokens=batch.num_tokens,
-            has_prefill=False,
-            num_scheduled_tokens=batch.num_scheduled_tokens,
-            is_prefilling_np=[False] * batch.num_reqs,
-        )
+        """vLLM's BatchReqState (0.28 on) of the step: each field the step's InputBatch of the
+        same name holds (request state lives in GPU/UVA buffers here); a field the batch has
+        no counterpart for (``num_draft_tokens_np``: no drafts) is None."""
+        cls = _model_runner().BatchReqState
+        names = getattr(cls, "_fields", None) or [f.name for f in dataclasses.fields(cls)]
+        state = cls(**{name: getattr(self.input_batch, name, None) for name in names})
         return state, self.decode_query_len
 
     def prepare_inputs(self, *args: Any) -> Any:
@@ -227,28 +300,83 @@ class StandInRunner:
 
 
 def step_batch(num_reqs: int = NUM_REQS, padded_to: int = PADDED_TO, *, prefix: str = "probe") -> Any:
-    """A uniform-decode batch (one token per request) padded to ``padded_to`` tokens, as MRV2's
-    InputBatch exposes it (requests ``<prefix>-0``, ``<prefix>-1``, ...)."""
+    """vLLM's InputBatch of a uniform-decode step (one token per request, requests
+    ``<prefix>-0``, ``<prefix>-1``, ...) padded to ``padded_to`` tokens: every field the installed
+    release declares at its default or at the step's value (built by vllm_fix_core.guest.build).
+    Fields of other releases are set too (0.15/0.16 have no ``num_reqs_after_padding`` /
+    ``is_padding`` field; the runner's FULL branch is still told the padded batch)."""
     import numpy as np
     import torch
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+    from vllm_fix_core.guest import build
 
     is_padding = torch.zeros(padded_to, dtype=torch.bool)
     is_padding[num_reqs:] = True
-    return SimpleNamespace(
+    ones = np.ones(num_reqs, dtype=np.int32)
+    cu = np.arange(num_reqs + 1, dtype=np.int32)
+    return build(
+        InputBatch,
         req_ids=[f"{prefix}-{i}" for i in range(num_reqs)],
         num_reqs=num_reqs,
         num_reqs_after_padding=padded_to,
         idx_mapping=torch.arange(num_reqs, dtype=torch.int32),
         idx_mapping_np=np.arange(num_reqs),
-        num_scheduled_tokens=np.ones(num_reqs, dtype=np.int32),
+        num_scheduled_tokens=ones,
         num_tokens=num_reqs,
         num_tokens_after_padding=padded_to,
+        num_draft_tokens=0,
+        query_start_loc=torch.from_numpy(cu),
+        query_start_loc_np=cu,
+        seq_lens=torch.ones(num_reqs, dtype=torch.int32),
+        num_computed_tokens_np=np.zeros(num_reqs, dtype=np.int32),
+        prefill_len_np=np.zeros(num_reqs, dtype=np.int32),
+        num_computed_prefill_tokens_np=np.zeros(num_reqs, dtype=np.int32),
+        is_prefilling_np=np.zeros(num_reqs, dtype=bool),
+        has_prefill=False,
+        decode_graph_eligible=True,
         input_ids=torch.zeros(padded_to, dtype=torch.int64),
         positions=torch.zeros(padded_to, dtype=torch.int64),
         is_padding=is_padding,
-        seq_lens=torch.ones(num_reqs, dtype=torch.int32),
-        dcp_local_seq_lens=None,
+        logits_indices=torch.arange(num_reqs, dtype=torch.int64),
+        cu_num_logits=torch.from_numpy(cu),
+        cu_num_logits_np=cu,
+        has_structured_output_reqs=False,
+        max_query_len=1,
     )
+
+
+def attention_metadata(batch: Any, layer: str = LAYER) -> dict[str, Any]:
+    """The step's attention metadata, per layer, as the runner hands it to the connector.
+
+    A layer's metadata is the attention backend's own type, built on the device from vLLM's
+    backend-independent CommonAttentionMetadata; the probe hands that CommonAttentionMetadata
+    of the step (built by vllm_fix_core.guest.build, CPU tensors), the same for every backend."""
+    import torch
+
+    from vllm_fix_core.guest import build
+
+    try:
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+    except ImportError:  # pragma: no cover - the class's older home
+        from vllm.v1.attention.backends.utils import CommonAttentionMetadata
+
+    num_reqs, padded = int(batch.num_reqs), int(batch.num_tokens_after_padding)
+    query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32)
+    return {
+        layer: build(
+            CommonAttentionMetadata,
+            query_start_loc=query_start_loc,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=batch.seq_lens,
+            num_reqs=num_reqs,
+            num_actual_tokens=int(batch.num_tokens),
+            max_query_len=1,
+            max_seq_len=1,
+            block_table_tensor=torch.zeros((num_reqs, 1), dtype=torch.int32),
+            slot_mapping=torch.zeros(padded, dtype=torch.int64),
+        )
+    }
 
 
 def step_output(batch: Any, *, sync: bool = True, metadata: Any = None, tokens: int = 1) -> Any:

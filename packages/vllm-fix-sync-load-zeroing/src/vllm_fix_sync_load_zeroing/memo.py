@@ -1,19 +1,25 @@
-"""When the probe's coverage facts come from the on-disk memo, and when the memo is refreshed.
+"""Where the probe's coverage facts come from, and when the on-disk memo is refreshed.
 
-The facts (:mod:`vllm_fix_sync_load_zeroing.facts`) cost an import of ``vllm.v1.worker.utils``
-(about 100 ms) where that module is not loaded yet, a multi-process engine core, where this fix
-decides: there they are read from the memo where it is valid for this install
-(:mod:`vllm_fix_sync_load_zeroing.memo_key`), otherwise computed live and written
-(:mod:`vllm_fix_sync_load_zeroing.memo_file`).
+Measuring the facts (:mod:`vllm_fix_sync_load_zeroing.facts`) needs ``vllm.v1.worker.utils``
+(vLLM's ``KVBlockZeroer``), and a multi-process engine core, where this fix decides, never
+imports that module: importing it there costs about 100 ms and runs module code the serving
+process would not run (on vLLM 0.32.0 it pulls in ``vllm._aiter_ops``, which sets
+``AITER_SITUV2_A4W4`` in ``os.environ`` and disables the ``aiter`` logger). So this fix never
+imports it:
 
-The memo stands in for the import only: where ``vllm.v1.worker.utils`` is already loaded (a
-worker, a single-process engine, a test) the probe's facts are computed live from the loaded
-objects (a few ms), and the memo is *refreshed* with them: read, and rewritten only where it is
-missing, stale, corrupt or holds other facts; once per process and facts (the re-probe of the
-same decision does not read it again). vLLM starts an engine core's workers (which import
-the module, and decide in ``init_device``) before the engine core builds its scheduler, where
-this fix decides; so the first engine core after an install or upgrade finds the memo its
-workers wrote, instead of paying the import.
+* where it is loaded (a worker, a single-process engine, a test), the facts are measured live
+  from the loaded objects (a few ms), and the memo is *refreshed* with them: read, and
+  rewritten only where it is missing, stale, corrupt or holds other facts; once per process
+  and facts (the re-probe of the same decision does not read it again);
+* where it is not loaded, the facts are read from the memo where it is valid for this install
+  (:mod:`vllm_fix_sync_load_zeroing.memo_key`); otherwise they are taken from the bug's
+  specification (``facts.spec_facts``: the source of vLLM's worker utilities read, not
+  imported) and written (:mod:`vllm_fix_sync_load_zeroing.memo_file`).
+
+vLLM starts an engine core's workers (which import the module, and decide in ``init_device``)
+before the engine core builds its scheduler, where this fix decides; so an engine core normally
+finds the facts its workers measured. A test holds the specification's facts to the measured
+ones on every release the fix is tested on.
 
 Writing from a process whose vLLM objects are loaded is sound for what the facts are for: they
 describe the zeroer that runs, and the zeroer runs in the workers. If something in a worker
@@ -26,7 +32,7 @@ memo that a process with changed objects wrote.) This package's tests get a fres
 each, so a test that changes vLLM's objects writes only into its own.
 
 Nothing here ever raises into the probe: a memo that cannot be read, parsed or written costs the
-live computation (or, where the facts are live anyway, a skipped refresh) and one DEBUG line.
+computation (or, where the facts are live anyway, a skipped refresh) and one DEBUG line.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from typing import Any
 
 from vllm_fix_core import get_logger
 from vllm_fix_sync_load_zeroing import memo_file, memo_key
-from vllm_fix_sync_load_zeroing.facts import WORKER_UTILS, CoverageFacts, compute_facts
+from vllm_fix_sync_load_zeroing.facts import WORKER_UTILS, CoverageFacts, compute_facts, spec_facts
 
 
 def _memo_logger() -> logging.Logger:
@@ -55,6 +61,9 @@ def _memo_logger() -> logging.Logger:
 # memo: the re-probe of the same decision (and any later probe with the same facts) neither reads
 # nor writes it again, nor logs a second DEBUG line about it.
 _refreshed: set[tuple[str, str]] = set()
+# (memo path, stamp) -> the facts a process without vllm.v1.worker.utils decided with: its
+# re-probe (after apply) answers from the same facts, neither reading nor writing the memo again.
+_decided: dict[tuple[str, str], CoverageFacts] = {}
 
 
 def _done(path: Path, stamp: Mapping[str, Any], facts: CoverageFacts) -> tuple[str, str]:
@@ -67,19 +76,37 @@ def _remember(path: Path, stamp: Mapping[str, Any], facts: CoverageFacts) -> Non
 
 
 def coverage_facts(spec: Callable[[], Any], *, use_memo: bool | None = None) -> CoverageFacts:
-    """The facts for the probe: from the memo where it is valid, otherwise computed live.
+    """The facts for the probe.
 
-    `use_memo` None (the probe): where vllm.v1.worker.utils is not loaded yet, the memo is used;
-    where it is loaded, the facts are computed live and the memo refreshed with them
-    (refresh_memo). True: the memo is used regardless; False: live, the memo left alone."""
+    `use_memo` None (the probe): where vllm.v1.worker.utils is loaded, the facts are computed
+    live and the memo refreshed with them (refresh_memo); where it is not, the memo is used, and
+    on a miss the specification's facts (``spec_facts``, which import nothing vLLM has not
+    imported) are used and written. True: the memo is used regardless, a miss computed live;
+    False: live, the memo left alone."""
     if use_memo is None:
         if WORKER_UTILS in sys.modules:
             live = compute_facts(spec)  # may raise: the probe then answers "cannot check"
             refresh_memo(live)
             return live
-        use_memo = True
+        return _once(lambda: spec_facts(), "taken from the specification")
     if not use_memo:
         return compute_facts(spec)
+    return _from_memo(lambda: compute_facts(spec), "computed live")
+
+
+def _once(compute: Callable[[], CoverageFacts], how: str) -> CoverageFacts:
+    """_from_memo, once per process and memo key: later calls get the same facts."""
+    try:
+        key = str(memo_key.memo_path()), json.dumps(memo_key.current_stamp(), sort_keys=True)
+    except Exception:
+        return _from_memo(compute, how)  # it notes the missing key
+    if key not in _decided:
+        _decided[key] = _from_memo(compute, how)
+    return _decided[key]
+
+
+def _from_memo(compute: Callable[[], CoverageFacts], how: str) -> CoverageFacts:
+    """The memo's facts where it is valid, else compute()'s (written)."""
     problems: list[str] = []
     key: tuple[Path, dict[str, Any]] | None = None
     try:
@@ -92,13 +119,13 @@ def coverage_facts(spec: Callable[[], Any], *, use_memo: bool | None = None) -> 
             _remember(*key, held)
             return held
     try:
-        facts = compute_facts(spec)  # may raise: the probe then answers "cannot check"
+        facts = compute()  # may raise: the probe then answers "cannot check"
         if key is not None:
             _remember(*key, facts)  # a later refresh_memo has nothing to add
             memo_file.try_write(*key, facts, problems)
     finally:
         if problems:
-            _memo_logger().debug("coverage memo: %s; computed live", "; ".join(problems))
+            _memo_logger().debug("coverage memo: %s; %s", "; ".join(problems), how)
     return facts
 
 

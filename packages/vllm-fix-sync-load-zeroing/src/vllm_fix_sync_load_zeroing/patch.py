@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
@@ -89,6 +88,7 @@ def fork_situation(connector: Any, read_mode: Any) -> Situation:
         hybrid=base.hybrid,
         layout=layout,
         spec=base.spec,
+        more_specs=base.more_specs,
     )
 
 
@@ -99,20 +99,19 @@ def _fork_wrapper(read_mode: Any) -> Any:
         if instance is None or sched is None:
             return result
         pending = getattr(sched, "_reqs_need_recv", None) or {}
-        excluded = excluded_blocks(fork_situation(instance, read_mode), pending)
-        return [b for b in dict.fromkeys(read_destinations(pending)) if b in excluded]
+        situation = fork_situation(instance, read_mode)
+        excluded = excluded_blocks(situation, pending)
+        destinations = read_destinations(pending, situation.attention_groups)
+        return [b for b in dict.fromkeys(destinations) if b in excluded]
 
     return wrapper
 
 
 def apply(patch: PatchSet, shape: str) -> None:
     mc = _module()
-    # The patched method computes the layout coverage for the engine's real attention spec on
-    # its first step with pending READs, and that computation asks vLLM's KVBlockZeroer, in
-    # vllm.v1.worker.utils: importing that module (vLLM's attention, linear and Mamba layers,
-    # ~100 ms) would stall the first serving step. The probe may not have imported it (its
-    # coverage facts can come from the memo), so import it here, while the engine core starts.
-    importlib.import_module("vllm.v1.worker.utils")
+    # Nothing else is imported: the patched method's coverage computation asks vLLM's
+    # KVBlockZeroer only where vllm.v1.worker.utils is loaded already, and takes the
+    # specification's answer elsewhere (coverage.py), so no serving step imports it either.
     if shape == FORK_API:
         patch.wrap(mc.MoRIIOConnector, "get_sync_load_block_ids", _fork_wrapper(mc.MoRIIOMode.READ))
     else:

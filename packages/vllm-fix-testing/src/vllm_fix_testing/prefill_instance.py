@@ -331,6 +331,8 @@ class World:
         sched.finished_recving_kv_req_ids = set()
         sched.failed_recving_kv_req_ids = set()
         sched._kv_fetch_stages = None
+        # vLLM 0.34.0: aborted requests whose KV load is in flight (finished_recving discards)
+        sched._aborted_kv_loads = set()
         sched.defer_block_free = False
         sched.kv_cache_manager = FreeRecorder(self)
         self.sched = sched
