@@ -280,7 +280,7 @@ _drift("focused")
     name=f"guest-{vllm_env.NEWEST}", python=PYTHON, tags=["newest-target", f"vllm-{vllm_env.NEWEST}"]
 )
 def guest_newest(session: nox.Session) -> None:
-    """The guest test (integration/test_guest.py) on the newest release (CI runs it in integration-<target>)."""
+    """The guest test (integration/test_guest.py) on the newest release (CI: integration-<target>)."""
     _all_installed(session, vllm_env.NEWEST)
     _pytest(session, vllm_env.NEWEST, [str(ROOT / "integration" / "test_guest.py")])
 

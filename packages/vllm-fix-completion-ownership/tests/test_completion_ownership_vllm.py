@@ -85,7 +85,7 @@ def x_reported(world: World) -> int:
 
 # ------------------------------------------------------------------------------ probe
 def test_probe_affected_on_both_releases() -> None:
-    assert str(vllm_version()) in ("0.32.0", "0.33.0")
+    assert str(vllm_version()) in ("0.32.0", "0.33.0", "0.34.0")
     assert recognize() == TRANSFER_RESULTS
     report = FIX.run_probe()
     assert report.affected, report.summary()

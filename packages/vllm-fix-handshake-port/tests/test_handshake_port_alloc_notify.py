@@ -11,6 +11,7 @@ written out here: prefill rank (dp, tp) listens on ``base + dp * tp_size + tp``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 
 from vllm_fix_core import Answer, PatchSet, Settings, evaluate
-from vllm_fix_handshake_port import FIX, listener, offset, patch, senders
+from vllm_fix_handshake_port import FIX, listener, offset, patch, probe, senders
 from vllm_fix_testing import applied, assert_every_target_observed
 from vllm_fix_testing.hostile import target_objects
 
@@ -29,26 +30,13 @@ LADDER = Settings(disabled=frozenset(), strict=False)
 
 
 def _decode_scheduler(mods: SimpleNamespace, tp_size: int, sent: list[tuple[str, int]]) -> Any:
-    sched = mods.connector.MoRIIOConnectorScheduler.__new__(mods.connector.MoRIIOConnectorScheduler)
+    """vLLM's scheduler, built by its own __init__ (the probe's builder), WRITE mode."""
+    sched = probe._decode_scheduler(mods.connector, mods.common, tp_size)
 
     def send_notify_block(*args: Any, **kwargs: Any) -> None:
         sent.append((kwargs["host"], int(kwargs["port"])))
 
-    vars(sched).update(
-        tp_size=tp_size,
-        mode=mods.common.MoRIIOMode.WRITE,
-        is_producer=False,
-        _has_mamba=False,
-        _global_dp_rank=0,
-        _is_kv_master=True,
-        transfer_id_to_request_id={},
-        request_id_to_transfer_id={},
-        _reqs_need_save={},
-        _reqs_need_recv={},
-        _req_kv_params={},
-        paths={},
-        send_notify_block=send_notify_block,
-    )
+    sched.send_notify_block = send_notify_block
     return sched
 
 
@@ -67,8 +55,8 @@ def _blocks_ready_ports(mods: SimpleNamespace, dp: int, dp_local: int, tp_size: 
         "remote_dp_size": dp_local,
         "remote_dp_size_local": dp_local,
     }
-    request = SimpleNamespace(request_id=f"plain-request-{dp}", kv_transfer_params=params)
-    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: [[3, 4]]), 32)
+    request = probe._request(f"plain-request-{dp}", params)
+    sched.update_state_after_alloc(request, probe._blocks(3, 4), 32)
     assert {host for host, _ in sent} <= {"127.0.0.1"}
     return sorted(port for _, port in sent)
 
@@ -234,3 +222,40 @@ def test_probe_drives_the_real_handshake_dialer(mods: SimpleNamespace) -> None:
             layer.revert()
         assert "handshake-dial-misses-listener" in report.names(True), report.summary()
         assert not FIX.run_probe().affected
+
+
+def test_probe_scheduler_has_what_vllms_init_sets(
+    mods: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32: vLLM 0.34's update_state_after_alloc reads ``_is_hma_required``, which only its
+    ``__init__`` sets, and the probe's scheduler (built without ``__init__``) could not be checked.
+    A release whose sender reads one more attribute set in ``__init__`` is still probed."""
+    cls = mods.connector.MoRIIOConnectorScheduler
+    init, alloc = cls.__init__, cls.update_state_after_alloc
+
+    @functools.wraps(init)  # the installed signature: 0.30+ take a kv_cache_config
+    def init_one_more(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._set_only_in_init = True
+
+    def alloc_reading_it(self: Any, *args: Any, **kwargs: Any) -> Any:
+        assert self._set_only_in_init  # AttributeError on a scheduler __init__ did not build
+        return alloc(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__init__", init_one_more)
+    monkeypatch.setattr(cls, "update_state_after_alloc", alloc_reading_it)
+    report = FIX.run_probe()
+    assert "alloc-notify-misses-listener" not in report.names(True), report.summary()
+
+
+@pytest.mark.parametrize("role", ["NOTINIT", "PRODUCER"])
+def test_probe_leaves_the_moriio_role_as_it_was(mods: SimpleNamespace, role: str) -> None:
+    """The scheduler's ``__init__`` sets MoRIIO's process-wide role (a decode scheduler: CONSUMER);
+    after the probe, the role is the one the process had (a prefill engine core: PRODUCER)."""
+    before = mods.common.get_role()
+    mods.common.set_role(mods.common.ROLE[role])
+    try:
+        FIX.run_probe()
+        assert mods.common.get_role() is mods.common.ROLE[role]
+    finally:
+        mods.common.set_role(before)

@@ -17,7 +17,7 @@ import pytest
 
 from vllm_fix_core import PatchSet, original_of
 from vllm_fix_core.patching import layers_of
-from vllm_fix_handshake_port import FIX
+from vllm_fix_handshake_port import FIX, probe
 from vllm_fix_handshake_port.patch import recognize
 from vllm_fix_handshake_port.rule import listening_tp_size
 from vllm_fix_handshake_port.sites import KNOWN_SITES, callers
@@ -25,7 +25,12 @@ from vllm_fix_testing import applied, assert_hostile_wrapper_fails, vllm_version
 
 GRIDS = [(2, 2), (2, 4), (3, 2), (4, 8), (1, 8), (4, 1)]
 # The caller inventory each release line has (see the README, "Releases").
-SHAPE = {"0.31.0": "vllm-0.31-0.32", "0.32.0": "vllm-0.31-0.32", "0.33.0": "vllm-0.33"}
+SHAPE = {
+    "0.31.0": "vllm-0.31-0.32",
+    "0.32.0": "vllm-0.31-0.32",
+    "0.33.0": "vllm-0.33",
+    "0.34.0": "vllm-0.33",  # the same seven callers as 0.33.0
+}
 
 
 def test_probe_says_affected_then_fixed() -> None:
@@ -182,10 +187,8 @@ def _write_notify_port(
 
 
 def _scheduler(mods: SimpleNamespace, tp_size: int) -> Any:
-    sched = mods.connector.MoRIIOConnectorScheduler.__new__(mods.connector.MoRIIOConnectorScheduler)
-    sched.tp_size = tp_size
-    sched.paths = {}
-    return sched
+    """vLLM's decode-side scheduler in WRITE mode, built by its own __init__ (the probe's builder)."""
+    return probe._decode_scheduler(mods.connector, mods.common, tp_size)
 
 
 def _released(worker: Any) -> set[str]:
@@ -290,19 +293,8 @@ def test_unpatched_grid_hangs_and_misroutes(
 
 
 def _write_scheduler(mods: SimpleNamespace, tp_size: int) -> Any:
-    """A decode-side scheduler in WRITE mode, built like vLLM's own MoRIIO tests build one."""
-    sched = _scheduler(mods, tp_size)
-    sched.mode = mods.common.MoRIIOMode.WRITE
-    sched.is_producer = False
-    sched._has_mamba = False
-    sched._global_dp_rank = 0
-    sched._is_kv_master = True
-    sched.transfer_id_to_request_id = {}
-    sched.request_id_to_transfer_id = {}
-    sched._reqs_need_save = {}
-    sched._reqs_need_recv = {}
-    sched._req_kv_params = {}
-    return sched
+    """A decode-side scheduler in WRITE mode."""
+    return _scheduler(mods, tp_size)
 
 
 def _allocate(mods: SimpleNamespace, sched: Any, dp: int, nb: int, tp_size: int) -> str:
@@ -317,9 +309,7 @@ def _allocate(mods: SimpleNamespace, sched: Any, dp: int, nb: int, tp_size: int)
         "remote_notify_port": nb,
         "remote_tp_size": tp_size,
     }
-    request = SimpleNamespace(request_id=f"plain-request-{dp}", kv_transfer_params=params)
-    blocks = SimpleNamespace(get_block_ids=lambda: [[3, 4]])
-    sched.update_state_after_alloc(request, blocks, 32)
+    sched.update_state_after_alloc(probe._request(f"plain-request-{dp}", params), probe._blocks(3, 4), 32)
     return transfer
 
 

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_fix_handshake_port import FIX
+from vllm_fix_handshake_port import FIX, probe
 from vllm_fix_testing import applied
 from vllm_fix_testing.moriio_worker import WriterWorkerStandIn
 
@@ -118,28 +118,15 @@ def test_get_port_offset(
 
 
 def _scheduler(mods: SimpleNamespace, tp_size: int, write: bool, sent: list[tuple[Any, Any]]) -> Any:
-    sched = mods.connector.MoRIIOConnectorScheduler.__new__(mods.connector.MoRIIOConnectorScheduler)
+    """vLLM's decode-side scheduler, built by its own __init__ (the probe's builder)."""
+    sched = probe._decode_scheduler(mods.connector, mods.common, tp_size)
 
     def record(*args: Any, **kwargs: Any) -> None:
         sent.append((kwargs.get("host"), "notify"))
 
-    vars(sched).update(
-        tp_size=tp_size,
-        mode=mods.common.MoRIIOMode.WRITE if write else mods.common.MoRIIOMode.READ,
-        is_producer=False,
-        _has_mamba=False,
-        _global_dp_rank=0,
-        _is_kv_master=True,
-        transfer_id_to_request_id={},
-        request_id_to_transfer_id={},
-        _reqs_need_save={},
-        _reqs_need_recv={},
-        _req_kv_params={},
-        _max_decode_tail_blocks=1,
-        paths={},
-        send_notify_block=record,
-        _send_transfer_release=lambda transfer_id, host, port: sent.append((host, "release")),
-    )
+    sched.mode = mods.common.MoRIIOMode.WRITE if write else mods.common.MoRIIOMode.READ
+    sched.send_notify_block = record
+    sched._send_transfer_release = lambda transfer_id, host, port: sent.append((host, "release"))
     return sched
 
 
@@ -165,12 +152,8 @@ def test_update_state_after_alloc(
         sent: list[tuple[Any, Any]] = []
         sends.append(sent)
         sched = _scheduler(mods, tp_size, write, sent)
-        request = SimpleNamespace(
-            request_id="plain-request", kv_transfer_params=None if params is None else dict(params)
-        )
-        sched.update_state_after_alloc(
-            request, SimpleNamespace(get_block_ids=lambda: [[3, 4]]), num_external_tokens
-        )
+        request = probe._request("plain-request", None if params is None else dict(params))
+        sched.update_state_after_alloc(request, probe._blocks(3, 4), num_external_tokens)
 
     unpatched, patched = _both(mods, tp_group, run)
     _compare(unpatched, patched)

@@ -37,11 +37,12 @@ def worker_configs(backend: str = "rdma") -> tuple[Any, Any]:
     """(vllm_config, kv_cache_config) for vLLM's real MoRIIOConnectorWorker.__init__ on CPU."""
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from vllm_fix_core import moriio_probe
     from vllm_fix_listener_port import probe
 
-    vllm_config = probe.vllm_config(dict(probe.EXTRA_CONFIG, backend=backend))
-    vllm_config.cache_config = SimpleNamespace(block_size=16, cache_dtype="auto")
-    vllm_config.model_config = SimpleNamespace(use_mla=False, dtype="bfloat16", get_head_size=lambda: 128)
+    vllm_config = moriio_probe.with_worker_configs(
+        probe.vllm_config(dict(probe.EXTRA_CONFIG, backend=backend)), dtype="bfloat16", head_size=128
+    )
     kv_cache_config = KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
     return vllm_config, kv_cache_config
 

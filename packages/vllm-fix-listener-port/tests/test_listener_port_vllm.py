@@ -1,4 +1,4 @@
-"""On real vLLM (0.32.0 and 0.33.0): probe, apply, idempotence, revert, composition, shape."""
+"""On real vLLM (0.32.0, 0.33.0 and 0.34.0): probe, apply, idempotence, revert, composition, shape."""
 
 from __future__ import annotations
 
@@ -18,8 +18,13 @@ from vllm_fix_listener_port.rule import ListenerPortError
 from vllm_fix_testing import STRICT, applied, assert_hostile_wrapper_fails, mori_io, vllm_version
 from vllm_fix_testing.mori_io import installed_mori
 
-# Both releases carry the defect.
-AFFECTED = {"0.32.0": True, "0.33.0": True}
+# Every session release carries the defect.
+AFFECTED = {"0.32.0": True, "0.33.0": True, "0.34.0": True}
+# The shape each session release is recognized as (README, "Releases"): a fingerprint on 0.32.0
+# and 0.33.0; 0.34.0's worker __init__ differs (hybrid payload order, get_current_attn_backends;
+# from_vllm_config is 0.33.0's) and is recognized structurally (config, IOEngine, backend built
+# in that order).
+SHAPE = {"0.32.0": "vllm-0.32.0", "0.33.0": "vllm-0.33.0", "0.34.0": "structural"}
 OLD_MORI = "0.0.1.dev20+g0000000"  # a build from before MORI reported auto-bound ports
 
 
@@ -48,16 +53,6 @@ def test_probe_matches_spec_unpatched(monkeypatch: pytest.MonkeyPatch) -> None:
     assert report.affected is AFFECTED[str(vllm_version())]
     assert report.names(True) == ["kv-port-released-before-native-bind"]
     assert not report.broken_guards
-
-
-def test_probe_under_vllm_port_sees_two_ranks_on_one_port(monkeypatch: pytest.MonkeyPatch) -> None:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        base = sock.getsockname()[1]
-    monkeypatch.setenv("VLLM_PORT", str(base))
-    report = FIX.run_probe()
-    assert report.affected
-    assert "both ranks got the same port" in report.checks[0].detail
 
 
 def test_probe_fixed_after_apply() -> None:
@@ -111,11 +106,12 @@ def test_port_zero_with_a_mori_that_cannot_report_it_is_a_broken_guard(tp_group:
 
 
 def test_shape_is_the_expected_one() -> None:
-    assert patch.recognize().startswith(f"vllm-{vllm_version()}; port 0: MORI not installed")
+    shape = SHAPE[str(vllm_version())]
+    assert patch.recognize().startswith(f"{shape}; port 0: MORI not installed")
     with installed_mori("1.2.2"):
-        assert patch.recognize() == f"vllm-{vllm_version()}; port 0: MORI 1.2.2: reports an auto-bound port"
+        assert patch.recognize() == f"{shape}; port 0: MORI 1.2.2: reports an auto-bound port"
     with installed_mori(OLD_MORI):
-        assert patch.recognize().startswith(f"vllm-{vllm_version()}; held reservation: MORI {OLD_MORI}")
+        assert patch.recognize().startswith(f"{shape}; held reservation: MORI {OLD_MORI}")
 
 
 def test_rdma_only_config_without_backend_field_is_recognized(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,8 +41,17 @@ from vllm_fix_testing import (
     vllm_version,
 )
 
-EXPECTED_SHAPE = {Version("0.32.0"): "vllm-0.32.0", Version("0.33.0"): "vllm-0.33.0"}
-EXPECTED_FINGERPRINT = {Version("0.32.0"): "e36833d400c2f75a", Version("0.33.0"): "692d6197971f9783"}
+# 0.34.0 ships 0.33.0's _pop_done_transfers unchanged (same fingerprint, same _send_read_release).
+EXPECTED_SHAPE = {
+    Version("0.32.0"): "vllm-0.32.0",
+    Version("0.33.0"): "vllm-0.33.0",
+    Version("0.34.0"): "vllm-0.33.0",
+}
+EXPECTED_FINGERPRINT = {
+    Version("0.32.0"): "e36833d400c2f75a",
+    Version("0.33.0"): "692d6197971f9783",
+    Version("0.34.0"): "692d6197971f9783",
+}
 
 # (statuses, seconds since the READ was posted): the four cases of §3.4.
 NEGATIVE_CONTROLS = {

@@ -9,7 +9,11 @@ runs) for the ranks of a DP_local x TP = 2 x 2 engine, and reads the ports they 
 * scheduler senders, on a decode-side scheduler as the engine core has it (no TP group in
   that process): ``MoRIIOConnectorScheduler._release_write_prefill_blocks`` (0.24+: the
   ports a release for DP rank d goes to) and ``update_state_after_alloc`` in WRITE mode
-  (every release: the ports its "blocks ready" notify for DP rank d goes to);
+  (every release: the ports its "blocks ready" notify for DP rank d goes to, for vLLM's own
+  ``Request`` and ``KVCacheBlocks``); the scheduler is built by the installed ``__init__``
+  from vLLM's own config classes (``vllm_fix_core.guest.build``, no ``__post_init__``), so
+  every attribute a release sets there is set as that release sets it (its module-wide
+  effects, ``set_role`` and 0.14-0.23's ``get_ip``, answered privately: nothing changes);
   ``_send_transfer_release`` / ``send_notify_block`` are answered by recorders on the
   instance, as vLLM's own tests do;
 * WRITE notify sender: ``MoRIIOWriter._execute_write_task`` then ``_finalize_if_complete``
@@ -26,12 +30,14 @@ What differs between releases is read from the installed code in one place,
 keys a write allocation); every object is built from the installed signatures (dataclass
 fields, parameter names).
 
-``from_vllm_config`` reads the TP group (``get_tensor_model_parallel_rank`` /
-``_world_size``) and opens sockets (``get_open_port``; ``get_ip`` on 0.14-0.23); a probe
-has no TP group and opens none, so those names of ``moriio_common`` answer for the
-probe's rank for the duration of the probe (under a lock, restored after). Nothing else
-is set: the TP size the fix needs is read by the installed code from the same getter
-vLLM reads.
+``from_vllm_config`` is run as installed (every wrapper on it) through
+``vllm_fix_core.moriio_probe.from_vllm_config``: vLLM's function on a private copy of its
+module's globals in which ``get_open_port`` is a port the kernel picks (never ``VLLM_PORT``,
+which vLLM's ``get_open_port`` binds when it is set). It reads the TP group
+(``get_tensor_model_parallel_rank`` / ``_world_size``; ``get_ip`` on 0.14-0.23); a probe
+has no TP group, so those names of ``moriio_common`` answer for the probe's rank for the
+duration of the probe (under a lock, restored after). Nothing else is set: the TP size the
+fix needs is read by the installed code from the same getter vLLM reads.
 While the scheduler senders and the dialer run, the TP-group getters of ``moriio_common`` and
 ``moriio_connector`` answer as vLLM's do in an engine core without a TP group (they
 raise), whatever process the probe runs in: a sender that does not size the offset
@@ -50,15 +56,18 @@ import inspect
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 from vllm_fix_core import Check, ProbeReport
 from vllm_fix_core.moriio_probe import (
     HOST,
     WriterWorkerStandIn,
+    build_config,
     extra_config,
+    from_vllm_config,
     parallel_config,
+    scheduler_without_requests,
     vllm_config,
 )
 
@@ -130,7 +139,7 @@ def _tp_group(common: ModuleType, connector: ModuleType, rank: _Rank) -> Iterato
         "get_tensor_model_parallel_rank": rank.rank,
         "get_tensor_model_parallel_world_size": rank.size,
     }
-    sockets: dict[str, Any] = {"get_open_port": lambda: 0}
+    sockets: dict[str, Any] = {}
     if "get_ip" in vars(common):  # 0.14-0.23 read the local IP in from_vllm_config
         sockets["get_ip"] = lambda: HOST
     layers: list[tuple[ModuleType, dict[str, Any]]] = [
@@ -165,22 +174,55 @@ def _listener_ports(common: ModuleType, rank: _Rank) -> dict[tuple[int, int], in
         config = _vllm_config(dp)
         for tp in range(TP):
             rank.tp_rank = tp
-            ports[(dp, tp)] = int(common.MoRIIOConfig.from_vllm_config(config).notify_port)
+            ports[(dp, tp)] = int(from_vllm_config(common, config).notify_port)
     return ports
 
 
 def _layout_accepted(common: ModuleType) -> bool:
     try:
-        common.MoRIIOConfig.from_vllm_config(_vllm_config(0, notify=HANDSHAKE + 1))
+        from_vllm_config(common, _vllm_config(0, notify=HANDSHAKE + 1))
     except ValueError:
         return False
     return True
 
 
-def _release_ports(connector: ModuleType, dp: int) -> set[int]:
+def _decode_scheduler(
+    connector: ModuleType, common: ModuleType, tp_size: int = TP, dp_local: int = DP_LOCAL
+) -> Any:
+    """vLLM's ``MoRIIOConnectorScheduler`` of a decode engine (TP size `tp_size`, DP rank 0 of
+    `dp_local`, WRITE mode, one full-attention KV group) built by the installed ``__init__`` from
+    vLLM's own config classes (``moriio_probe.build_config``: ``guest.build``, vLLM's defaults, no
+    ``__post_init__``), holding no requests (``moriio_probe.scheduler_without_requests``)."""
+    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig
+
+    extra = extra_config(HANDSHAKE, NOTIFY, read_mode="false")
+    config = build_config(
+        VllmConfig,
+        parallel_config=build_config(
+            ParallelConfig,
+            tensor_parallel_size=tp_size,
+            data_parallel_rank=0,
+            data_parallel_size=dp_local,
+            data_parallel_size_local=dp_local,
+        ),
+        cache_config=build_config(CacheConfig, block_size=16),
+        kv_transfer_config=build_config(
+            KVTransferConfig,
+            kv_connector="MoRIIOConnector",
+            kv_role="kv_consumer",
+            kv_connector_extra_config=extra,
+        ),
+    )
+    scheduler = scheduler_without_requests(connector, config)
+    # 0.14-0.22 take the mode from VLLM_MORIIO_CONNECTOR_READ_MODE, not from the config: the
+    # senders probed here are WRITE mode's whatever this process runs.
+    scheduler.mode = common.MoRIIOMode.WRITE
+    return scheduler
+
+
+def _release_ports(connector: ModuleType, common: ModuleType, dp: int) -> set[int]:
     sent: list[int] = []
-    scheduler = connector.MoRIIOConnectorScheduler.__new__(connector.MoRIIOConnectorScheduler)
-    scheduler.tp_size = TP
+    scheduler = _decode_scheduler(connector, common)
     scheduler._send_transfer_release = lambda transfer_id, host, port: sent.append(int(port))
     params = {
         "transfer_id": "probe",
@@ -202,23 +244,8 @@ def _alloc_notify_ports(connector: ModuleType, common: ModuleType, dp: int) -> l
         port = kwargs["port"] if "port" in kwargs else args[4]
         sent.append(int(port))
 
-    scheduler = connector.MoRIIOConnectorScheduler.__new__(connector.MoRIIOConnectorScheduler)
-    fields: dict[str, Any] = {
-        "tp_size": TP,
-        "mode": common.MoRIIOMode.WRITE,
-        "is_producer": False,
-        "_has_mamba": False,
-        "_global_dp_rank": 0,
-        "_is_kv_master": True,
-        "transfer_id_to_request_id": {},
-        "request_id_to_transfer_id": {},
-        "_reqs_need_save": {},
-        "_reqs_need_recv": {},
-        "_req_kv_params": {},
-        "paths": {},
-        "send_notify_block": send_notify_block,
-    }
-    vars(scheduler).update(fields)
+    scheduler = _decode_scheduler(connector, common)
+    scheduler.send_notify_block = send_notify_block
     params = {
         "do_remote_prefill": True,
         "transfer_id": f"probe-alloc-{dp}",
@@ -230,10 +257,35 @@ def _alloc_notify_ports(connector: ModuleType, common: ModuleType, dp: int) -> l
         "remote_dp_size": DP_LOCAL,
         "remote_dp_size_local": DP_LOCAL,
     }
-    request = SimpleNamespace(request_id=_router_request_id(f"probe-alloc-{dp}"), kv_transfer_params=params)
-    blocks = SimpleNamespace(get_block_ids=lambda: [[3, 4]])
-    scheduler.update_state_after_alloc(request, blocks, 32)  # 32 tokens to fetch: not a local hit
+    request = _request(_router_request_id(f"probe-alloc-{dp}"), params)
+    scheduler.update_state_after_alloc(request, _blocks(3, 4), 32)  # 32 tokens to fetch: not a local hit
     return sent
+
+
+def _request(request_id: str, kv_transfer_params: dict[str, Any]) -> Any:
+    """vLLM's ``Request`` (built by its ``__init__``, which reads `kv_transfer_params` from the
+    sampling params as the engine hands them over): 32 prompt tokens, one to generate."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": kv_transfer_params})
+    values: dict[str, Any] = {
+        "request_id": request_id,
+        "prompt_token_ids": list(range(32)),
+        "sampling_params": sampling,
+        "pooling_params": None,
+    }
+    if "eos_token_id" in inspect.signature(Request.__init__).parameters:  # 0.14-0.16
+        values["eos_token_id"] = None
+    return Request(**values)
+
+
+def _blocks(*block_ids: int) -> Any:
+    """vLLM's ``KVCacheBlocks`` as the KV cache manager allocates them: one KV cache group."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(([KVCacheBlock(block_id) for block_id in block_ids],))
 
 
 class _Dialed(Exception):
@@ -331,7 +383,8 @@ def probe() -> ProbeReport:
         rank.tp_rank = 0
         layout_accepted = _layout_accepted(common)
         rank.in_group = False  # the scheduler senders run in the engine core: no TP group there
-        releases = {dp: _release_ports(connector, dp) for dp in range(DP_LOCAL) if installed.release_sender}
+        senders = range(DP_LOCAL) if installed.release_sender else range(0)
+        releases = {dp: _release_ports(connector, common, dp) for dp in senders}
         allocs = {dp: _alloc_notify_ports(connector, common, dp) for dp in range(DP_LOCAL)}
         dials = {r: _dial_offset(connector, *r) for r in listen}
     owners: dict[int, tuple[int, int]] = {}

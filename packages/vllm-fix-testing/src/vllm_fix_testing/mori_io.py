@@ -178,7 +178,8 @@ def install_in_vllm(setattr_: Callable[..., Any]) -> None:
     ``setattr_`` is ``monkeypatch.setattr`` (restored after the test) or plain ``setattr``
     (a forked child that exits afterwards). Also stands in for what a CPU process lacks on the
     worker's start-up path: the world / TP groups (torch.distributed needs a GPU per rank) and
-    the attention-backend lookup at the end of ``MoRIIOConnectorWorker.__init__``.
+    the attention-backend lookup at the end of ``MoRIIOConnectorWorker.__init__``
+    (``get_attn_backend``; ``get_current_attn_backends`` from vLLM 0.34.0).
     """
     from vllm.distributed import parallel_state
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector, moriio_engine
@@ -192,11 +193,12 @@ def install_in_vllm(setattr_: Callable[..., Any]) -> None:
     setattr_(moriio_engine, "RdmaBackendConfig", _config, raising=False)
     setattr_(moriio_engine, "XgmiBackendConfig", _config, raising=False)
     setattr_(moriio_engine, "PollCqMode", types.SimpleNamespace(POLLING="polling"), raising=False)
-    setattr_(
-        moriio_connector,
-        "get_attn_backend",
-        lambda *a, **k: types.SimpleNamespace(get_name=lambda: "STAND_IN"),
-    )
+    backend = types.SimpleNamespace(get_name=lambda: "STAND_IN")
+    if hasattr(moriio_connector, "get_attn_backend"):  # up to vLLM 0.33.0
+        setattr_(moriio_connector, "get_attn_backend", lambda *a, **k: backend)
+    if hasattr(moriio_connector, "get_current_attn_backends"):
+        # vLLM 0.34.0: ``__init__`` asks for the backends of the config's attention layers
+        setattr_(moriio_connector, "get_current_attn_backends", lambda *a, **k: [backend])
     setattr_(parallel_state, "_WORLD", types.SimpleNamespace(rank=0, local_rank=0))
 
 
