@@ -5,7 +5,6 @@ and keeps vLLM's INFO lines about its worker and listeners out of vLLM's log."""
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from vllm_fix_bind_failure import FIX
 from vllm_fix_bind_failure import probe as probe_module
 from vllm_fix_core import Answer
 from vllm_fix_core.guest import guest
-from vllm_fix_testing import applied
+from vllm_fix_testing import applied, ports
 
 AFFECTED = {
     "handshake-bind-failure-unseen",
@@ -31,43 +30,13 @@ PROBE_LINES = ("Initializing MoRIIO worker", "Using MoRIIO backend", "Node start
 
 @pytest.fixture
 def binds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """(port asked for, port bound or -1 where the bind failed) of every bind() a Python socket
-    makes in the test (traced in the test only; the ZMQ listeners bind in libzmq, on the two
-    ports the probe holds)."""
-    seen: list[tuple[int, int]] = []
-    original = socket.socket.bind
-
-    def bind(self: socket.socket, address: Any) -> None:
-        if not (isinstance(address, tuple) and len(address) >= 2):
-            return original(self, address)
-        try:
-            original(self, address)
-        except OSError:
-            seen.append((int(address[1]), -1))
-            raise
-        seen.append((int(address[1]), int(self.getsockname()[1])))
-        return None
-
-    monkeypatch.setattr(socket.socket, "bind", bind)
-    return seen
+    return ports.trace_binds(monkeypatch)
 
 
-@pytest.fixture(params=["held by a listener", "free"])
+@pytest.fixture(params=ports.VLLM_PORT_KINDS)
 def vllm_port(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
-    """VLLM_PORT set to a port a listening socket of the test holds (no SO_REUSEADDR), or to
-    a free one."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("", 0))
-        port = int(sock.getsockname()[1])
-        if request.param == "free":
-            sock.close()
-        else:
-            sock.listen(1)
-        monkeypatch.setenv("VLLM_PORT", str(port))
+    with ports.vllm_port(request.param, monkeypatch) as port:
         yield port
-    finally:
-        sock.close()
 
 
 def test_vllm_port_is_never_bound_and_the_decisions_hold(

@@ -3,7 +3,6 @@ thread installs while it runs is not taken away afterwards."""
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -13,29 +12,12 @@ import pytest
 
 from vllm_fix_core import Answer, moriio_probe
 from vllm_fix_listener_port.declaration import FIX
-from vllm_fix_testing import applied
+from vllm_fix_testing import applied, ports
 
 
 @pytest.fixture
 def binds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """(port asked for, port bound or -1 where the bind failed) of every bind() a Python
-    socket makes in the test (traced in the test only)."""
-    seen: list[tuple[int, int]] = []
-    original = socket.socket.bind
-
-    def bind(self: socket.socket, address: Any) -> None:
-        if not (isinstance(address, tuple) and len(address) >= 2):
-            return original(self, address)
-        try:
-            original(self, address)
-        except OSError:
-            seen.append((int(address[1]), -1))
-            raise
-        seen.append((int(address[1]), int(self.getsockname()[1])))
-        return None
-
-    monkeypatch.setattr(socket.socket, "bind", bind)
-    return seen
+    return ports.trace_binds(monkeypatch)
 
 
 def kernel_chosen_only(binds: list[tuple[int, int]]) -> bool:
@@ -50,22 +32,10 @@ def kernel_chosen_only(binds: list[tuple[int, int]]) -> bool:
     return True
 
 
-@pytest.fixture(params=["held by a listener", "free"])
+@pytest.fixture(params=ports.VLLM_PORT_KINDS)
 def vllm_port(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
-    """VLLM_PORT set to a port a listening socket of the test holds (no SO_REUSEADDR), or to
-    a free one."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("", 0))
-        port = int(sock.getsockname()[1])
-        if request.param == "free":
-            sock.close()
-        else:
-            sock.listen(1)
-        monkeypatch.setenv("VLLM_PORT", str(port))
+    with ports.vllm_port(request.param, monkeypatch) as port:
         yield port
-    finally:
-        sock.close()
 
 
 def test_vllm_port_is_never_bound_and_the_decisions_hold(
