@@ -200,8 +200,7 @@ def test_what_a_module_logs_while_the_probe_first_imports_it_passes(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     # The logger name is the module's, as vLLM's init_logger(__name__) makes it.
-    monkeypatch.setitem(sys.modules, "vllm.guest_import_demo", None)  # type: ignore[arg-type]
-    del sys.modules["vllm.guest_import_demo"]
+    monkeypatch.delitem(sys.modules, "vllm.guest_import_demo", raising=False)
     with guest.guest():
         import importlib
 

@@ -276,13 +276,11 @@ def call_params(func: Any, expected: Iterable[str] = ()) -> list[str]:
     """The parameter names of `func` (through classmethod / staticmethod), without the keyword-only
     ones that have a default and are not among `expected`: a release adds such a parameter
     without changing any call a wrapper sees (a wrapper passes it through untouched)."""
-    import inspect as _inspect
-
     if isinstance(func, (classmethod, staticmethod)):
         func = func.__func__
     known = set(expected)
     return [
         name
-        for name, p in _inspect.signature(func).parameters.items()
+        for name, p in inspect.signature(func).parameters.items()
         if not (p.kind is p.KEYWORD_ONLY and p.default is not p.empty and name not in known)
     ]
